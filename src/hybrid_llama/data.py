@@ -1,0 +1,488 @@
+"""Training data: the packed transfer corpus and the instruction-tuning set.
+
+Both builders read a *source spec* (a dict from config), tokenize with the model's tokenizer and write
+one safetensors file plus a JSON manifest beside it (same name, ``.json``). Config keys and defaults are
+listed in ``docs/notes/train.md`` and in each function's docstring.
+
+Source specs:
+- ``{kind: hf, path: HuggingFaceFW/fineweb-edu, name: sample-10BT, split: train, text_column: text}``
+  streamed with ``datasets``;
+- ``{kind: local, path: <file | dir | glob>, text_column: text}`` for ``.jsonl``/``.json`` (one object per
+  line), ``.parquet`` and ``.csv`` files.
+
+Bad data raises :class:`DataError` naming the file and the line or row.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "DataError",
+    "doc_hash",
+    "split_of",
+    "split_documents",
+    "iter_documents",
+    "iter_rows",
+    "prepare_transfer_corpus",
+    "load_packed",
+    "read_manifest",
+    "prepare_instruct_data",
+    "load_instruct",
+    "format_instruction",
+]
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+IGNORE_INDEX = -100
+
+
+class DataError(ValueError):
+    """Bad or insufficient input data; the message names the file and line/row."""
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def doc_hash(text: str) -> str:
+    """sha256 hex digest of a document's UTF-8 text (the id recorded in manifests)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def split_of(text: str, *, heldout_fraction: float, seed: int = 0) -> str:
+    """Deterministic document split: ``"heldout"`` for a seeded-hash fraction of texts, else ``"train"``.
+
+    Depends only on (seed, text), so any worker can recompute it without coordination.
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    h = hashlib.sha256(f"{seed}\0".encode() + text.encode("utf-8")).digest()
+    u = int.from_bytes(h[:8], "big") / 2.0**64
+    return "heldout" if u < heldout_fraction else "train"
+
+
+def split_documents(texts: Iterable[str], *, heldout_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:
+    """(train, heldout) lists by :func:`split_of`, each in input order."""
+    train: list[str] = []
+    heldout: list[str] = []
+    for t in texts:
+        (heldout if split_of(t, heldout_fraction=heldout_fraction, seed=seed) == "heldout" else train).append(t)
+    return train, heldout
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _resolve_files(path: str | os.PathLike) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(LOCAL_SUFFIXES))
+        if not files:
+            raise DataError(f"{p}: directory holds no {'/'.join(LOCAL_SUFFIXES)} files")
+        return files
+    if p.is_file():
+        return [p]
+    matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+    if not matches:
+        raise DataError(f"{path}: no such file, directory or glob match")
+    return matches
+
+
+def _read_local(path: Path) -> Iterator[tuple[dict, str]]:
+    """Yield (row dict, origin) for one local file; origin is 'file:line N' or 'file:row N'."""
+    name = path.name
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    if name.endswith((".jsonl", ".json")):
+        n = 0
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+                n += 1
+                yield row, f"{path}: line {lineno}"
+        if n == 0:
+            raise DataError(f"{path}: empty file (no JSON rows)")
+    elif name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if table.num_rows == 0:
+            raise DataError(f"{path}: empty file (0 rows)")
+        # Row numbers are 1-based data rows, as a spreadsheet view would show them.
+        for i, row in enumerate(table.to_pylist(), 1):
+            yield row, f"{path}: row {i}"
+    elif name.endswith(".csv"):
+        csv.field_size_limit(1 << 30)  # fineweb documents exceed the 128 KiB default
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames:
+                raise DataError(f"{path}: empty file (no header)")
+            n = 0
+            for i, row in enumerate(reader, 1):
+                n += 1
+                yield row, f"{path}: row {i} (line {reader.line_num})"
+            if n == 0:
+                raise DataError(f"{path}: empty file (header only)")
+    else:
+        raise DataError(f"{path}: unsupported file type (want {', '.join(LOCAL_SUFFIXES)})")
+
+
+def _source_files(source: dict) -> list[Path]:
+    return _resolve_files(source["path"]) if source.get("kind", "local") == "local" else []
+
+
+def iter_rows(source: dict) -> Iterator[tuple[dict, str]]:
+    """Yield (row dict, origin) from a source spec; see the module docstring for the spec."""
+    kind = source.get("kind", "local")
+    if kind == "local":
+        if "path" not in source:
+            raise DataError(f"local source needs a 'path': {source}")
+        for path in _resolve_files(source["path"]):
+            yield from _read_local(path)
+    elif kind == "hf":
+        import datasets
+
+        name = source.get("name")
+        split = source.get("split", "train")
+        label = f"hf:{source['path']}" + (f"/{name}" if name else "") + f":{split}"
+        try:
+            ds = datasets.load_dataset(
+                source["path"], name, split=split, streaming=True, revision=source.get("revision")
+            )
+        except Exception as e:  # network, auth, unknown config: say which source failed
+            raise DataError(f"{label}: cannot open dataset ({type(e).__name__}: {e})") from e
+        for i, row in enumerate(ds, 1):
+            yield row, f"{label}: row {i}"
+    else:
+        raise DataError(f"unknown source kind {kind!r} (want 'hf' or 'local'): {source}")
+
+
+def _column(row: dict, col: str, origin: str, *, required: bool = True) -> str:
+    if col not in row:
+        if not required:
+            return ""
+        raise DataError(f"{origin}: missing column {col!r} (have {sorted(row)})")
+    val = row[col]
+    if val is None and not required:
+        return ""
+    if not isinstance(val, str):
+        raise DataError(f"{origin}: column {col!r} is {type(val).__name__}, expected text")
+    return val
+
+
+def iter_documents(source: dict) -> Iterator[tuple[str, str]]:
+    """Yield (text, origin) for every row of the source, reading ``source['text_column']`` (default text)."""
+    col = source.get("text_column", "text")
+    for row, origin in iter_rows(source):
+        yield _column(row, col, origin), origin
+
+
+def _load_tokenizer(tokenizer: Any):
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        if not Path(tokenizer).is_dir():  # else transformers treats it as a Hub id and fails obscurely
+            raise FileNotFoundError(f"tokenizer directory {tokenizer} does not exist")
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    return tokenizer
+
+
+def _tokenizer_name(tok) -> str:
+    return str(getattr(tok, "name_or_path", "") or type(tok).__name__)
+
+
+def _manifest_path(out_path: str | os.PathLike) -> Path:
+    p = Path(out_path)
+    return p.with_suffix(".json") if p.suffix == ".safetensors" else Path(str(p) + ".json")
+
+
+def _write_atomic(out_path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"manifest": _manifest_path(out_path).name})
+    os.replace(tmp, out_path)
+    mpath = _manifest_path(out_path)
+    tmpm = mpath.with_name(mpath.name + ".tmp")
+    tmpm.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmpm, mpath)
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """Manifest of a file written by this module (pass the safetensors path or the .json itself)."""
+    p = Path(path)
+    return json.loads((p if p.suffix == ".json" else _manifest_path(p)).read_text())
+
+
+def _check_keys(given: dict, allowed: dict, what: str) -> dict:
+    unknown = set(given) - set(allowed)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
+    return {**allowed, **given}
+
+
+# ---------------------------------------------------------------------------------- transfer corpus
+
+CORPUS_DEFAULTS: dict[str, Any] = {
+    "seq_len": 1024,
+    "num_tokens": 1_000_000,
+    "split": "all",
+    "heldout_fraction": 0.0,
+    "seed": 0,
+    "add_bos": False,
+}
+
+
+def prepare_transfer_corpus(source: dict, tokenizer: Any, out_path: str | os.PathLike, **corpus: Any) -> dict:
+    """Tokenize, concatenate with EOS and pack documents into ``[N, seq_len]`` rows; returns the manifest.
+
+    Keys (defaults): seq_len 1024; num_tokens 1_000_000 (``None`` = everything; output has
+    ``num_tokens // seq_len`` rows, fewer available tokens raise DataError); split "all" | "train" |
+    "heldout"; heldout_fraction 0.0; seed 0 (hash split); add_bos False.
+    Writes ``out_path`` (safetensors ``tokens`` int32) and the JSON manifest beside it.
+    Documents are read in source order and reading stops once the budget is met, so a streamed HF
+    source is only read as far as needed.
+    """
+    cfg = _check_keys(corpus, CORPUS_DEFAULTS, "transfer corpus")
+    L, budget, split = int(cfg["seq_len"]), cfg["num_tokens"], cfg["split"]
+    if split not in ("all", "train", "heldout"):
+        raise ValueError(f"split must be all|train|heldout, got {split!r}")
+    if split != "all" and cfg["heldout_fraction"] <= 0:
+        raise ValueError(f"split={split!r} needs heldout_fraction > 0")
+    if budget is not None and budget < L:
+        raise ValueError(f"num_tokens={budget} is less than one sequence of seq_len={L}")
+    tok = _load_tokenizer(tokenizer)
+    eos = tok.eos_token_id
+    if eos is None:
+        raise DataError(f"tokenizer {_tokenizer_name(tok)} has no EOS token to separate documents")
+    bos = [tok.bos_token_id] if cfg["add_bos"] and tok.bos_token_id is not None else []
+
+    need = None if budget is None else (budget // L) * L
+    ids: list[int] = []
+    hashes: list[str] = []
+    stream = hashlib.sha256()
+    empty_source = True
+    for text, _origin in iter_documents(source):
+        empty_source = False
+        if split != "all" and split_of(text, heldout_fraction=cfg["heldout_fraction"], seed=cfg["seed"]) != split:
+            continue
+        if not text.strip():
+            continue
+        ids.extend(bos + tok(text, add_special_tokens=False)["input_ids"] + [eos])
+        hashes.append(doc_hash(text))
+        stream.update(text.encode("utf-8") + b"\0")
+        if need is not None and len(ids) >= need:
+            break
+    label = source.get("path", source)
+    if empty_source:
+        raise DataError(f"{label}: no documents")
+    if need is not None and len(ids) < need:
+        raise DataError(
+            f"{label}: only {len(ids)} tokens in {len(hashes)} documents (split={split}), "
+            f"fewer than the {need} asked for ({need // L} x {L})"
+        )
+    n = len(ids) // L if need is None else need // L
+    if n == 0:
+        raise DataError(f"{label}: only {len(ids)} tokens, fewer than one sequence of {L}")
+    tokens = torch.tensor(ids[: n * L], dtype=torch.int32).view(n, L)
+    manifest = {
+        "kind": "transfer_corpus",
+        "source": dict(source),
+        "split": split,
+        "heldout_fraction": cfg["heldout_fraction"],
+        "seed": cfg["seed"],
+        "seq_len": L,
+        "num_tokens_requested": budget,
+        "token_count": n * L,
+        "num_sequences": n,
+        "num_documents": len(hashes),
+        "tokenizer": _tokenizer_name(tok),
+        "eos_token_id": eos,
+        "add_bos": bool(bos),
+        "files": [{"path": str(p), "sha256": _sha256_file(p)} for p in _source_files(source)],
+        "inputs_sha256": stream.hexdigest(),
+        "doc_hash": "sha256(utf-8 text)",
+        "doc_hashes": hashes,
+    }
+    _write_atomic(Path(out_path), {"tokens": tokens}, manifest)
+    return manifest
+
+
+def load_packed(path: str | os.PathLike) -> torch.Tensor:
+    """Packed token rows as int64 ``[N, L]``."""
+    t = load_file(str(path))
+    if "tokens" not in t:
+        raise DataError(f"{path}: no 'tokens' tensor (keys {sorted(t)})")
+    return t["tokens"].long()
+
+
+# -------------------------------------------------------------------------------- instruction data
+
+INSTRUCT_DEFAULTS: dict[str, Any] = {
+    "max_length": 512,
+    "val_fraction": 0.05,
+    "seed": 0,
+    "max_examples": None,
+    "template": "auto",
+}
+
+PLAIN_TEMPLATE = "### Instruction:\n{instruction}\n\n{context_block}### Response:\n"
+
+
+def format_instruction(tok, instruction: str, context: str, response: str, template: str) -> tuple[str, str]:
+    """Return (prompt_text, completion_text); training sees prompt + completion, loss on completion only."""
+    user = instruction if not context.strip() else f"{instruction}\n\n{context}"
+    if template == "chat":
+        msgs = [{"role": "user", "content": user}]
+        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": response}], tokenize=False)
+        if not full.startswith(prompt):
+            # Some templates rewrite earlier turns; then the prompt boundary is ambiguous.
+            raise DataError(f"chat template of {_tokenizer_name(tok)} does not extend the prompt; use template=plain")
+        return prompt, full[len(prompt) :]
+    ctx = f"### Context:\n{context}\n\n" if context.strip() else ""
+    prompt = PLAIN_TEMPLATE.format(instruction=instruction, context_block=ctx)
+    return prompt, response + (tok.eos_token or "")
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
+def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathLike, **instruct: Any) -> dict:
+    """Format instruction rows, mask prompt tokens with -100 in labels, split train/val; returns manifest.
+
+    Keys (defaults): max_length 512; val_fraction 0.05 (at least one example); seed 0 (permutation);
+    max_examples None; template "auto" (chat template when the tokenizer has one, else plain) | "chat" | "plain".
+    Columns: ``instruction``, ``response`` (required), ``context`` (optional). Output tensors
+    ``{train,val}.{input_ids,labels,attention_mask}`` int32, right-padded (pad = pad_token_id or EOS,
+    labels -100 there).
+    """
+    cfg = _check_keys(instruct, INSTRUCT_DEFAULTS, "instruction data")
+    tok = _load_tokenizer(tokenizer)
+    template = cfg["template"]
+    if template == "auto":
+        template = "chat" if getattr(tok, "chat_template", None) else "plain"
+    if template not in ("chat", "plain"):
+        raise ValueError(f"template must be auto|chat|plain, got {template!r}")
+    max_len = int(cfg["max_length"])
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    examples: list[tuple[list[int], list[int]]] = []
+    stream = hashlib.sha256()
+    dropped = truncated = rows = 0
+    for row, origin in iter_rows(source):
+        if cfg["max_examples"] is not None and rows >= cfg["max_examples"]:
+            break
+        rows += 1
+        instr = _column(row, "instruction", origin)
+        resp = _column(row, "response", origin)
+        ctx = _column(row, "context", origin, required=False)
+        stream.update(json.dumps([instr, ctx, resp]).encode() + b"\0")
+        prompt, completion = format_instruction(tok, instr, ctx, resp, template)
+        # Tokenize the two parts separately so the mask boundary is exact (no merge across it).
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        c_ids = tok(completion, add_special_tokens=False)["input_ids"]
+        if len(p_ids) >= max_len:
+            dropped += 1
+            continue
+        ids = (p_ids + c_ids)[:max_len]
+        truncated += len(p_ids) + len(c_ids) > max_len
+        examples.append((ids, [IGNORE_INDEX] * len(p_ids) + ids[len(p_ids) :]))
+    label = source.get("path", source)
+    if rows == 0:
+        raise DataError(f"{label}: no rows")
+    if len(examples) < 2:
+        raise DataError(
+            f"{label}: {len(examples)} usable examples (dropped {dropped} over max_length={max_len}); need 2"
+        )
+
+    g = torch.Generator().manual_seed(int(cfg["seed"]))
+    perm = torch.randperm(len(examples), generator=g).tolist()
+    n_val = min(len(examples) - 1, max(1, round(cfg["val_fraction"] * len(examples))))
+    # Keep each split in source order: only membership is random.
+    parts = {"val": sorted(perm[:n_val]), "train": sorted(perm[n_val:])}
+    tensors: dict[str, torch.Tensor] = {}
+    counts = {}
+    for split, idx in parts.items():
+        ids = [examples[i][0] for i in idx]
+        labs = [examples[i][1] for i in idx]
+        tensors[f"{split}.input_ids"] = _pad(ids, pad_id)
+        tensors[f"{split}.labels"] = _pad(labs, IGNORE_INDEX)
+        tensors[f"{split}.attention_mask"] = _pad([[1] * len(r) for r in ids], 0)
+        counts[split] = int((tensors[f"{split}.labels"] != IGNORE_INDEX).sum())
+    manifest = {
+        "kind": "instruct",
+        "source": dict(source),
+        "files": [{"path": str(p), "sha256": _sha256_file(p)} for p in _source_files(source)],
+        "inputs_sha256": stream.hexdigest(),
+        "tokenizer": _tokenizer_name(tok),
+        "template": template,
+        "max_length": max_len,
+        "seed": cfg["seed"],
+        "val_fraction": cfg["val_fraction"],
+        "num_rows": rows,
+        "num_train": len(parts["train"]),
+        "num_val": len(parts["val"]),
+        "num_dropped": dropped,
+        "num_truncated": int(truncated),
+        "train_label_tokens": counts["train"],
+        "val_label_tokens": counts["val"],
+        "pad_token_id": pad_id,
+    }
+    _write_atomic(Path(out_path), tensors, manifest)
+    return manifest
+
+
+def load_instruct(path: str | os.PathLike, split: str = "train") -> dict[str, torch.Tensor]:
+    """``{input_ids, labels, attention_mask}`` (int64, right-padded) of one split ("train" | "val")."""
+    t = load_file(str(path))
+    keys = ("input_ids", "labels", "attention_mask")
+    missing = [k for k in keys if f"{split}.{k}" not in t]
+    if missing:
+        raise DataError(f"{path}: no split {split!r} (missing {missing})")
+    return {k: t[f"{split}.{k}"].long() for k in keys}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hybrid_llama.data {corpus|instruct} --source JSON --tokenizer DIR --out PATH [--config JSON]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m hybrid_llama.data", description="Prepare training data.")
+    ap.add_argument("what", choices=["corpus", "instruct"])
+    ap.add_argument("--source", required=True, help='source spec as JSON, e.g. {"kind": "local", "path": "x.jsonl"}')
+    ap.add_argument("--tokenizer", required=True, help="model directory holding the tokenizer")
+    ap.add_argument("--out", required=True, help="output .safetensors (manifest goes beside it as .json)")
+    ap.add_argument("--config", default="{}", help="JSON dict of keys (see docs/notes/train.md)")
+    a = ap.parse_args(argv)
+    fn = prepare_transfer_corpus if a.what == "corpus" else prepare_instruct_data
+    m = fn(json.loads(a.source), a.tokenizer, a.out, **json.loads(a.config))
+    print(json.dumps({k: v for k, v in m.items() if k != "doc_hashes"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Hybrid attention as a drop-in replacement for transformers' ``LlamaAttention``.
+
+The layer keeps the pretrained q/k/v/o projections and RoPE, and replaces the softmax over all past
+keys by ``hybrid_llama.ops.hybrid_attention``: softmax over the last ``window`` keys mixed with
+linear attention over the keys that left the window. Per-head mixing logits live in ``.mixing``.
+
+With a transformers cache (``model.generate(..., use_cache=True)``) the layer keeps a constant-size
+``HybridState`` in the cache object transformers created: its slot in ``cache.layers`` is swapped for
+a :class:`HybridCacheLayer` on first use, while softmax layers keep their normal KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, repeat_kv
+
+from hybrid_llama.ops import HybridState, HedgehogFeatureMap, hybrid_attention, hybrid_attention_step, prefill_state
+
+FORMULATIONS = ("hybrid", "lolcats")
+FEATURE_MAPS = ("elu1", "hedgehog")
+
+
+@dataclass
+class HybridConfig:
+    """Which layers are hybrid and how; stored as ``model.config.hybrid`` (a dict) in config.json."""
+
+    layers: list[int] = field(default_factory=list)
+    window: int = 64
+    formulation: str = "hybrid"
+    feature_map: str = "elu1"  # "elu1" | "hedgehog"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.layers = sorted({int(i) for i in self.layers})
+        if int(self.window) < 1:
+            raise ValueError(f"HybridConfig.window must be >= 1, got {self.window}")
+        self.window = int(self.window)
+        if self.formulation not in FORMULATIONS:
+            raise ValueError(f"HybridConfig.formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
+        if self.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"HybridConfig.feature_map must be one of {FEATURE_MAPS}, got {self.feature_map!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HybridConfig":
+        known = {"layers", "window", "formulation", "feature_map", "backend"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown HybridConfig keys {sorted(unknown)}")
+        return cls(**d)
+
+
+class MixingLogits(nn.Module):
+    """Per-head logits of the two attention parts; sigmoid(0) = 0.5 each at init."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.window_logit = nn.Parameter(torch.zeros(num_heads))
+        self.linear_logit = nn.Parameter(torch.zeros(num_heads))
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.window_logit.numel()}"
+
+
+class Elu1FeatureMap(nn.Module):
+    """``elu(x) + 1`` as a module (no parameters), so every hybrid layer has a ``.feature_map``."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.out_features = head_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.elu(x) + 1.0
+
+
+def make_feature_map(kind: str, num_heads: int, head_dim: int) -> nn.Module:
+    if kind == "elu1":
+        return Elu1FeatureMap(head_dim)
+    if kind == "hedgehog":
+        return HedgehogFeatureMap(num_heads, head_dim)
+    raise ValueError(f"unknown feature_map {kind!r}; use one of {FEATURE_MAPS}")
+
+
+class HybridCacheLayer(CacheLayerMixin):
+    """Cache slot of a hybrid layer: a constant-size ``HybridState`` instead of a growing KV cache.
+
+    It reports the same sequence length and mask sizes as a full-attention layer, so the causal mask
+    transformers builds (possibly from this layer, if it is layer 0) stays right for softmax layers.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: HybridState | None = None
+        self.seen = 0  # tokens consumed, even when no state was kept (training mode)
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        raise RuntimeError("a hybrid layer's cache holds a recurrent state, not keys/values; it has no update()")
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def set_state(self, state: HybridState | None, consumed: int) -> None:
+        if state is not None and not self.is_initialized:
+            self.lazy_initialization(state.k_window, state.v_window)
+        self.state = state
+        self.seen += consumed
+
+    def nbytes(self) -> int:
+        s = self.state
+        if s is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (s.k_window, s.v_window, s.window_valid, s.S, s.z))
+
+    def offload(self) -> None:
+        if self.state is not None:
+            self.state = self.state.to("cpu")
+
+    def prefetch(self) -> None:
+        if self.state is not None and self.state.k_window.device != self.device:
+            self.state = self.state.to(self.device)
+
+    def reset(self) -> None:
+        self.state = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("a hybrid layer's recurrent state cannot be cropped (no rollback)")
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        if self.state is not None:
+            self.state = self.state.index_select(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.state is not None:
+            idx = torch.as_tensor(indices, device=self.state.k_window.device)
+            if idx.dtype == torch.bool:
+                idx = idx.nonzero().flatten()
+            self.state = self.state.index_select(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.state is not None:
+            b = self.state.k_window.shape[0]
+            idx = torch.arange(b, device=self.state.k_window.device).repeat_interleave(repeats)
+            self.state = self.state.index_select(idx)
+
+
+def hybrid_cache_layer(cache: Cache, layer_idx: int) -> HybridCacheLayer:
+    """The :class:`HybridCacheLayer` of ``layer_idx`` in ``cache``, installed on first use."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"hybrid layers need a transformers Cache with .layers, got {type(cache).__name__}")
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    while len(layers) <= layer_idx:
+        if replicate is None:
+            raise ValueError(f"cache has {len(layers)} layers, no slot for layer {layer_idx}")
+        layers.append(replicate())
+    current = layers[layer_idx]
+    if isinstance(current, HybridCacheLayer):
+        return current
+    if current.get_seq_length() > 0:
+        raise ValueError(
+            f"cache layer {layer_idx} already holds {current.get_seq_length()} softmax keys; "
+            "a hybrid layer cannot continue from a plain KV cache"
+        )
+    layers[layer_idx] = HybridCacheLayer()
+    return layers[layer_idx]
+
+
+def keys_valid_from_mask(attention_mask: Tensor | None, q_len: int) -> Tensor | None:
+    """``[B, q_len]`` bool (True = real key) for the new keys, read from the mask the layer receives.
+
+    Accepts None (all real), a 2D padding mask ``[B, kv]`` (flash-attention style), or a 4D mask
+    ``[B, 1|H, q, kv]`` (bool: True = attend; float: additive, 0 = attend). A new key counts as real
+    when any query row may attend to it: padding masks remove whole key columns, while causal or
+    packed-sequence block masks always leave the key's own row open. Returns None if all are real.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"hybrid layers need a tensor attention mask (not {type(attention_mask).__name__})")
+    m = attention_mask
+    if m.dim() == 2:
+        valid = m[:, -q_len:].bool()
+    elif m.dim() == 4:
+        m = m[:, 0, :, -q_len:]  # [B, q, q_len]
+        if m.dtype != torch.bool:
+            m = m > torch.finfo(m.dtype).min / 2
+        valid = m.any(dim=1)
+    else:
+        raise ValueError(f"attention mask must be 2D or 4D, got shape {tuple(m.shape)}")
+    if bool(valid.all()):
+        return None
+    return valid
+
+
+class HybridLlamaAttention(LlamaAttention):
+    """``LlamaAttention`` with sliding-window softmax + linear attention (``hybrid_llama.ops``)."""
+
+    def __init__(self, config, layer_idx: int, hybrid: HybridConfig) -> None:
+        super().__init__(config, layer_idx)
+        self.hybrid = hybrid
+        self.num_heads = config.num_attention_heads
+        self.mixing = MixingLogits(self.num_heads)
+        self.feature_map = make_feature_map(hybrid.feature_map, self.num_heads, self.head_dim)
+
+    def _op_feature_map(self):
+        # elu1 goes by name so backends can use their fused path; learnable maps go as the module.
+        return "elu1" if isinstance(self.feature_map, Elu1FeatureMap) else self.feature_map
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ) -> tuple[Tensor, None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = repeat_kv(k, self.num_key_value_groups)
+        v = repeat_kv(v, self.num_key_value_groups)
+
+        q_len = q.shape[2]
+        valid = keys_valid_from_mask(attention_mask, q_len)
+        fmap = self._op_feature_map()
+        cfg = self.hybrid
+        wl, ll = self.mixing.window_logit, self.mixing.linear_logit
+        slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
+
+        if slot is None or slot.state is None:
+            if slot is not None and slot.seen > 0:
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: the cache saw {slot.seen} tokens without keeping a hybrid state "
+                    "(forward ran in training mode); run the prefill in eval mode to decode"
+                )
+            out = hybrid_attention(
+                q, k, v, wl, ll, window=cfg.window, backend=cfg.backend, formulation=cfg.formulation,
+                feature_map=fmap, key_padding_mask=valid,
+            )
+            if slot is not None:
+                state = None
+                if not self.training:  # training forwards never decode: skip the state's O(T*D^2) work
+                    with torch.no_grad():
+                        state = prefill_state(
+                            k.detach(), v.detach(), window=cfg.window, feature_map=fmap, key_padding_mask=valid
+                        )
+                slot.set_state(state, q_len)
+        else:
+            state, outs = slot.state, []
+            for t in range(q_len):
+                o, state = hybrid_attention_step(
+                    q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll,
+                    feature_map=fmap, formulation=cfg.formulation,
+                    key_valid=None if valid is None else valid[:, t], backend=cfg.backend,
+                )
+                outs.append(o)
+            out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)
+            slot.set_state(state, q_len)
+
+        out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), None
+
+    def extra_repr(self) -> str:
+        c = self.hybrid
+        return f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"

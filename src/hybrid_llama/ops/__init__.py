@@ -1,0 +1,119 @@
+"""Hybrid attention: sliding-window softmax + linear attention over the keys that left the window.
+
+Public API (contract in docs/design.md, section "ops"):
+
+- ``hybrid_attention(q, k, v, window_logit, linear_logit, *, window, backend, formulation,
+  feature_map, key_padding_mask)``: the parallel (prefill / training) op.
+- ``hybrid_attention_step(q, k, v, state, window_logit, linear_logit, *, ...)``: one decode step.
+- ``prefill_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
+
+Backends: ``reference`` (readable, O(T^2)), ``chunked`` (pure PyTorch, O(T*w*D + T*D^2)),
+``triton`` (CUDA kernels, loaded lazily from ``triton_prefill`` / ``triton_decode``), and ``auto``
+(triton on CUDA when it imports and supports the options, else chunked).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from torch import Tensor
+
+from .decode import HybridState, hybrid_attention_step_torch, init_state, prefill_state
+from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1
+from .reference import hybrid_attention_reference
+
+__all__ = [
+    "hybrid_attention",
+    "hybrid_attention_step",
+    "prefill_state",
+    "init_state",
+    "HybridState",
+    "HedgehogFeatureMap",
+    "elu1",
+    "BACKENDS",
+]
+
+BACKENDS = ("auto", "reference", "chunked", "triton")
+
+
+def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
+    """Import a triton entry point lazily; return (function or None, reason it is missing)."""
+    try:
+        mod = importlib.import_module(f"{__name__}.{module}")
+        return getattr(mod, attr), ""
+    except Exception as exc:  # ImportError, missing triton, no CUDA driver, missing attribute...
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int = 64,
+    backend: str = "auto",
+    formulation: str = "hybrid",
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Hybrid attention over ``[B, H, T, D]`` inputs; returns ``[B, H, T, D]`` in q's dtype."""
+    kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
+    if backend in ("triton", "auto") and (backend == "triton" or q.is_cuda):
+        fn, why = _load_triton("triton_prefill", "hybrid_attention_triton")
+        if fn is None:
+            if backend == "triton":
+                raise RuntimeError(f"backend='triton' is unavailable ({why})")
+        elif backend == "triton":
+            return fn(q, k, v, window_logit, linear_logit, **kwargs)
+        else:
+            try:
+                return fn(q, k, v, window_logit, linear_logit, **kwargs)
+            except NotImplementedError:  # an option the kernel does not cover: fall back
+                pass
+    from .chunked import hybrid_attention_chunked
+
+    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+
+
+def hybrid_attention_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: HybridState,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    feature_map: FeatureMap = "elu1",
+    formulation: str = "hybrid",
+    key_valid: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, HybridState]:
+    """One decode step: q, k, v ``[B, H, 1, D]``; returns (out ``[B, H, 1, D]``, new state).
+
+    ``key_valid``: ``[B]`` bool, False marks the new token as padding. Backends: ``auto`` (triton on
+    CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` (all the torch step),
+    ``triton``.
+    """
+    kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
+    if backend not in BACKENDS + ("torch",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        fn, why = _load_triton("triton_decode", "hybrid_attention_step_triton")
+        if fn is None:
+            if backend == "triton":
+                raise RuntimeError(f"backend='triton' is unavailable for decode ({why})")
+        elif backend == "triton":
+            return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
+        else:
+            try:
+                return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
+            except NotImplementedError:
+                pass
+    return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, **kwargs)

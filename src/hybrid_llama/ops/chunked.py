@@ -1,0 +1,169 @@
+"""`chunked` backend: hybrid attention in pure PyTorch, no Python loop over positions.
+
+Window part, in query blocks of ``w``: a query at position t sees keys t-w+1 .. t, which all lie
+in its own block or the previous one. Each block attends to the ``2w`` keys of [previous block,
+own block] under a fixed band mask: O(T * 2w * D) work. The overlapping key blocks are
+``unfold`` views of the slab's keys.
+
+Linear part: query t sees keys j <= t-w, i.e. ordinary causal linear attention (diagonal
+included) over the key sequence shifted right by w (``k'_t = k_{t-w}``, zero for t < w); the same
+w leading zeros serve as "block -1" of the window part. It runs as chunked linear attention with
+chunk C: per chunk the state increment ``phi(K_c)^T [V_c, 1]`` (``[F, D+1]``; the ones column makes
+the denominator come out of the same matmul), an exclusive cumulative sum for the state entering
+each chunk (a small matmul with a strictly lower-triangular matrix), and an intra-chunk causal
+product.
+
+The sequence is processed in slabs of ``SLAB_TARGET`` (1024) positions with the linear state
+carried between slabs: a Python loop of T/1024 iterations whose intermediates stay a few MB. That
+matters on CPU: a 40 MB temporary is a fresh mmap with page faults on every call, a 5 MB one is
+reused from the heap and stays in cache. Fewer, larger slabs also mean fewer parallel regions,
+which matters when the cores are shared. The largest temporaries are one slab's window scores
+(``[B, H, P/w, w, 2w]``) and chunk states (``[B, H, P/C, F, D+1]``); no tensor of size O(T * D^2)
+or O(T^2) is ever built, and autograd works through plain torch ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .feature_maps import FeatureMap, resolve_feature_map
+from .reference import check_inputs, combine, mixing_weights
+
+SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cache-sized, heap-reused)
+
+
+def _pad_time(x: Tensor, before: int, after: int) -> Tensor:
+    """Zero-pad dim 2 (time) of ``[B, H, T, X]``."""
+    return F.pad(x, (0, 0, before, after)) if before or after else x
+
+
+def default_chunk(window: int) -> int:
+    """Linear-attention chunk: a multiple of the window near 64 (slabs must hold whole blocks of both)."""
+    return window * max(1, round(64 / window))
+
+
+def hybrid_attention_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int = 64,
+    formulation: str = "hybrid",
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+    chunk_size: int | None = None,
+    slab_size: int | None = None,
+) -> Tensor:
+    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    out_dtype = q.dtype
+    phi = resolve_feature_map(feature_map)
+    q, k, v = q.float(), k.float(), v.float()
+    B, H, T, D = q.shape
+    w = window
+    C = chunk_size or default_chunk(w)
+    if C % w:
+        raise ValueError(f"chunk_size {C} must be a multiple of the window {w}")
+    P = slab_size or C * max(1, SLAB_TARGET // C)
+    if P % C:
+        raise ValueError(f"slab_size {P} must be a multiple of chunk_size {C}")
+    scale = 1.0 / math.sqrt(D)
+    real = key_padding_mask if key_padding_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+
+    # Band of a query block against [previous block, own block]: key slot c is position
+    # (block-1)*w + c, query row i is position block*w + i.
+    i = torch.arange(w, device=q.device)[:, None]
+    c = torch.arange(2 * w, device=q.device)[None, :]
+    band = (c - w - i <= 0) & (c - w - i > -w)  # [w, 2w]
+    band_bias = torch.zeros(w, 2 * w, device=q.device).masked_fill_(~band, float("-inf"))
+
+    a, b = mixing_weights(window_logit, linear_logit)
+    carry = None  # [S | z] over every key before the slab, [B, H, F, D+1]
+    outs, result, lower = [], None, None
+    for t0 in range(0, T, P):
+        t1 = min(t0 + P, T)
+        L = t1 - t0
+        Lp = -(-L // C) * C  # only the last slab is padded, at its end (rows dropped at the end)
+        front = max(w - t0, 0)  # only slab 0: positions < 0 are zero keys, masked below
+        lo = t0 - w + front
+        # Keys of positions t0-w .. t0+Lp-1. Their first Lp rows are also the linear keys of this
+        # slab: query t sees linear keys j <= t-w, i.e. the keys shifted right by w.
+        kw = _pad_time(k[:, :, lo:t1], front, Lp - L)  # [B, H, w + Lp, D]
+        vw = _pad_time(v[:, :, lo:t1], front, Lp - L)
+        ok = F.pad(real[:, lo:t1], (front, Lp - L), value=False)  # [B, w + Lp]
+        qs = _pad_time(q[:, :, t0:t1], 0, Lp - L)
+        n, nc = Lp // w, Lp // C
+
+        # ---- window part: blocks of w queries against the 2w keys ending at the block's end.
+        kk = kw.unfold(2, 2 * w, w)  # [B, H, n, D, 2w] (a view)
+        vv = vw.unfold(2, 2 * w, w).transpose(-1, -2)  # [B, H, n, 2w, D]
+        if key_padding_mask is None and front == 0:
+            # Every key is real: only the band matters. One fused op: bias + scale * q k^T.
+            scores = torch.baddbmm(
+                band_bias, qs.reshape(B * H * n, w, D), kk.reshape(B * H * n, D, 2 * w), alpha=scale
+            ).view(B, H, n, w, 2 * w)
+            has_win = None
+        else:
+            scores = torch.matmul(qs.reshape(B, H, n, w, D) * scale, kk)  # [B, H, n, w, 2w]
+            allowed = band & ok.unfold(1, 2 * w, w)[:, None, :, None, :]  # [B, 1, n, w, 2w]
+            has_win = allowed.any(dim=-1, keepdim=True)
+            # Rows without a real key get a dummy softmax (finite) and win_sum = 0 below.
+            scores = scores.masked_fill(~(allowed | ~has_win), float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        win_avg = torch.matmul(p, vv).reshape(B, H, Lp, D)
+        if formulation == "lolcats":
+            # sum_j exp(s_j - max s) = 1 / max_j softmax_j: recovers LoLCATs' unnormalised sum.
+            win_sum = 1.0 / p.amax(dim=-1, keepdim=True)
+            if has_win is not None:
+                win_sum = win_sum * has_win
+            win_sum = win_sum.reshape(B, H, Lp, 1)
+        elif has_win is not None:
+            win_sum = has_win.to(q.dtype).reshape(B, 1, Lp, 1)
+        else:
+            win_sum = p.new_ones(())  # hybrid only needs "the window is non-empty"
+
+        # ---- linear part: causal linear attention over the shifted keys, chunks of C.
+        phi_q = phi(qs)
+        Fd = phi_q.shape[-1]
+        phi_k = phi(kw[:, :, :Lp])
+        if key_padding_mask is not None or front:
+            phi_k = phi_k * ok[:, None, :Lp, None]  # padded keys never enter S or z (phi(0) = 1)
+        v1 = torch.cat([vw[:, :, :Lp], torch.ones_like(vw[:, :, :Lp, :1])], dim=-1)  # ones -> den
+        qc = phi_q.reshape(B, H, nc, C, Fd)
+        kc = phi_k.reshape(B, H, nc, C, Fd)
+        vc = v1.reshape(B, H, nc, C, D + 1)
+        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, H, nc, F, D+1]: each chunk's increment
+        # State entering each chunk = carry + sum of the earlier chunks' increments: an exclusive
+        # prefix sum, done as one small matmul with a strictly lower-triangular matrix (faster than
+        # a strided cumsum on CPU).
+        if lower is None or lower.shape[0] != nc:
+            lower = torch.ones(nc, nc, dtype=q.dtype, device=q.device).tril_(-1)
+        state_in = torch.matmul(lower, kv.reshape(B, H, nc, -1)).view(B, H, nc, Fd, D + 1)
+        if carry is not None:
+            state_in = state_in + carry[:, :, None]
+            carry = carry + kv.sum(dim=2)
+        else:
+            carry = kv.sum(dim=2)
+        intra = torch.matmul(qc, kc.transpose(-1, -2)).tril_()  # [B, H, nc, C, C], causal incl. diagonal
+        lin = (torch.matmul(qc, state_in) + torch.matmul(intra, vc)).reshape(B, H, Lp, D + 1)
+
+        if has_win is None and formulation == "hybrid":
+            # Common case (no padding, every window non-empty): the mix without combine's guards.
+            out = torch.addcmul(win_avg * a, lin[..., :D], b) / torch.addcmul(a, lin[..., D:], b)
+        else:
+            out = combine(formulation, a, b, win_avg, win_sum, lin[..., :D], lin[..., D:])
+        out = out[:, :, :L]
+        if not out.requires_grad and result is None and P < T:
+            result = out.new_empty(B, H, T, D)  # inference: write slabs in place, no final cat
+        if result is not None:
+            result[:, :, t0:t1] = out
+        else:
+            outs.append(out)
+    if result is None:
+        result = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return result.to(out_dtype)

@@ -1,0 +1,181 @@
+"""Recurrent form of hybrid attention for generation.
+
+The state holds a ring buffer of the last ``w`` keys/values plus the running linear-attention sums
+``S = sum phi(k) v^T`` and ``z = sum phi(k)`` over the keys that have left the window. The key at
+position ``t`` lives in slot ``t % w``; writing it evicts position ``t - w``, which is folded into
+``S`` and ``z``. Per-token cost and memory are independent of the context length.
+
+Steps are functional: they return a new ``HybridState`` and never modify the old one, so they are
+safe under autograd and for cache reordering.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .feature_maps import FeatureMap, feature_dim_of, resolve_feature_map
+from .reference import FORMULATIONS, combine, mixing_weights
+
+
+@dataclass
+class HybridState:
+    k_window: Tensor  # [B, H, w, D] ring buffer of the last w keys (post-RoPE)
+    v_window: Tensor  # [B, H, w, D]
+    window_valid: Tensor  # [B, w] bool: slot holds a real (non-pad) key
+    S: Tensor  # [B, H, F, D] fp32, sum of phi(k) v^T over keys that left the window
+    z: Tensor  # [B, H, F]    fp32, sum of phi(k)
+    seen: int  # tokens consumed; the next token goes to slot seen % w
+
+    @property
+    def window(self) -> int:
+        return self.k_window.shape[2]
+
+    def index_select(self, batch_index: Tensor) -> "HybridState":
+        """The state of the rows ``batch_index`` (beam search / batch reordering)."""
+        pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
+        return HybridState(
+            pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen
+        )
+
+    def to(self, device=None, dtype=None) -> "HybridState":
+        """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
+        return HybridState(
+            self.k_window.to(device=device, dtype=dtype),
+            self.v_window.to(device=device, dtype=dtype),
+            self.window_valid.to(device=device),
+            self.S.to(device=device),
+            self.z.to(device=device),
+            self.seen,
+        )
+
+
+def init_state(
+    batch: int,
+    heads: int,
+    head_dim: int,
+    window: int,
+    *,
+    feature_dim: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> HybridState:
+    """Empty state. ``feature_dim`` is F, the width of phi's output (default ``head_dim``, as for elu1;
+    for a ``HedgehogFeatureMap`` pass its ``out_features``)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    f = feature_dim or head_dim
+    dtype = dtype or torch.get_default_dtype()
+    return HybridState(
+        k_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
+        v_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
+        window_valid=torch.zeros(batch, window, device=device, dtype=torch.bool),
+        S=torch.zeros(batch, heads, f, head_dim, device=device, dtype=torch.float32),
+        z=torch.zeros(batch, heads, f, device=device, dtype=torch.float32),
+        seen=0,
+    )
+
+
+def prefill_state(
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+) -> HybridState:
+    """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``."""
+    if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = k.shape
+    phi = resolve_feature_map(feature_map)
+    real = (
+        key_padding_mask
+        if key_padding_mask is not None
+        else torch.ones(B, T, dtype=torch.bool, device=k.device)
+    )
+    if real.shape != (B, T) or real.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
+
+    state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
+    n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
+    if n_lin > 0:
+        phi_k = phi(k[:, :, :n_lin].float()) * real[:, None, :n_lin, None]
+        state.S = torch.matmul(phi_k.transpose(-1, -2), v[:, :, :n_lin].float())
+        state.z = phi_k.sum(dim=2)
+    kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
+    slots = kept % window
+    k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
+    k_window[:, :, slots] = k[:, :, kept]
+    v_window[:, :, slots] = v[:, :, kept].to(v_window.dtype)
+    valid[:, slots] = real[:, kept]
+    state.k_window, state.v_window, state.window_valid, state.seen = k_window, v_window, valid, T
+    return state
+
+
+def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
+    try:
+        return feature_dim_of(feature_map, k.shape[-1])
+    except ValueError:  # an arbitrary callable: measure it on one token
+        return resolve_feature_map(feature_map)(k[:1, :, :1].float()).shape[-1]
+
+
+def hybrid_attention_step_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: HybridState,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    feature_map: FeatureMap = "elu1",
+    formulation: str = "hybrid",
+    key_valid: Tensor | None = None,
+) -> tuple[Tensor, HybridState]:
+    """One token: q, k, v ``[B, H, 1, D]``; ``key_valid`` ``[B]`` (or ``[B, 1]``) bool, True = real."""
+    if q.dim() != 4 or q.shape[2] != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"step expects q, k, v of shape [B, H, 1, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    B, H, _, D = q.shape
+    w = state.window
+    phi = resolve_feature_map(feature_map)
+    valid_new = (
+        torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).to(torch.bool)
+    )
+
+    slot = state.seen % w
+    S, z = state.S, state.z
+    if state.seen >= w:
+        # Slot `slot` holds position seen-w, which leaves the window now: fold it into S, z.
+        old_k = state.k_window[:, :, slot : slot + 1].float()  # [B, H, 1, D]
+        old_v = state.v_window[:, :, slot : slot + 1].float()
+        phi_old = phi(old_k) * state.window_valid[:, None, slot : slot + 1, None]  # [B, H, 1, F]
+        S = S + torch.matmul(phi_old.transpose(-1, -2), old_v)
+        z = z + phi_old[:, :, 0]
+    # Out-of-place writes keep old states intact (and autograd happy); the buffers are only w long.
+    k_window, v_window, window_valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
+    k_window[:, :, slot] = k[:, :, 0].to(k_window.dtype)
+    v_window[:, :, slot] = v[:, :, 0].to(v_window.dtype)
+    window_valid[:, slot] = valid_new
+    new_state = HybridState(k_window, v_window, window_valid, S, z, state.seen + 1)
+
+    qf = q.float()
+    scores = torch.matmul(qf, k_window.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, 1, w]
+    scores = scores.masked_fill(~window_valid[:, None, None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    win_sum = p.sum(dim=-1, keepdim=True)
+    win_avg = torch.matmul(p, v_window.float()) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
+
+    phi_q = phi(qf)  # [B, H, 1, F]
+    lin_num = torch.matmul(phi_q, S)
+    lin_den = torch.matmul(phi_q, z.unsqueeze(-1))
+
+    a, b = mixing_weights(window_logit, linear_logit)
+    out = combine(formulation, a, b, win_avg, win_sum, lin_num, lin_den)
+    return out.to(q.dtype), new_state

@@ -1,0 +1,78 @@
+"""Feature maps phi for the linear-attention part.
+
+Every map takes ``[B, H, T, D]`` and returns strictly positive features ``[B, H, T, F]``; positivity
+keeps the linear normalizer ``phi(q) . sum phi(k)`` above zero.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+FeatureMap = Union[str, Callable[[Tensor], Tensor]]
+
+
+def elu1(x: Tensor) -> Tensor:
+    """``elu(x) + 1``: positive, F = D (the map of "Linear Transformers are RNNs")."""
+    return F.elu(x) + 1.0
+
+
+class HedgehogFeatureMap(nn.Module):
+    """Learnable Hedgehog map: ``softmax(x W_h) ++ softmax(-x W_h)`` per head.
+
+    ``feature_dim`` is the width of the projection (default ``head_dim``); the output has
+    ``out_features = 2 * feature_dim`` channels. ``W_h`` starts as the identity (or its truncation
+    when ``feature_dim != head_dim``), so the untrained map is the parameter-free
+    ``softmax(x) ++ softmax(-x)``, which is the usual starting point before attention transfer.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.feature_dim = feature_dim or head_dim
+        self.out_features = 2 * self.feature_dim
+        eye = torch.eye(head_dim, self.feature_dim)
+        self.weight = nn.Parameter(eye.unsqueeze(0).repeat(num_heads, 1, 1))  # [H, D, Fh]
+        self.bias = nn.Parameter(torch.zeros(num_heads, 1, self.feature_dim))  # [H, 1, Fh]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] != self.num_heads or x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"HedgehogFeatureMap({self.num_heads} heads, dim {self.head_dim}) got input {tuple(x.shape)}"
+            )
+        # Project in fp32: the softmax over features is the whole map, keep it accurate.
+        proj = torch.matmul(x.float(), self.weight.float()) + self.bias.float()  # [B, H, T, Fh]
+        out = torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
+
+
+def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
+    """Turn the ``feature_map`` argument of the ops into a callable."""
+    if callable(feature_map):
+        return feature_map
+    if feature_map == "elu1":
+        return elu1
+    if feature_map == "hedgehog":
+        raise ValueError(
+            "feature_map='hedgehog' is learnable: pass a HedgehogFeatureMap(num_heads, head_dim) module instead"
+        )
+    raise ValueError(f"unknown feature_map {feature_map!r}; use 'elu1' or a module [B,H,T,D] -> [B,H,T,F]")
+
+
+def feature_dim_of(feature_map: FeatureMap, head_dim: int) -> int:
+    """Width F of the features a map produces for ``head_dim`` inputs."""
+    if isinstance(feature_map, HedgehogFeatureMap):
+        return feature_map.out_features
+    if feature_map == "elu1" or feature_map is elu1:
+        return head_dim
+    out_features = getattr(feature_map, "out_features", None)
+    if out_features is not None:
+        return int(out_features)
+    raise ValueError(f"cannot infer the feature width of {feature_map!r}; give feature_dim explicitly")

@@ -1,0 +1,580 @@
+"""`triton` backend, prefill: fused hybrid attention forward and backward.
+
+Layout (all kernels use one block size ``BLOCK`` for query blocks, key blocks and linear chunks):
+
+forward
+  1. ``_kv_state_kernel``, one program per (batch, KV head, chunk c): ``phi(K_c)^T V_c`` [F, D] and
+     ``sum phi(K_c)`` [F]. A torch cumsum over the chunk axis turns them into exclusive prefix states
+     ``S_c = sum over keys < c*BLOCK`` ([B*Hkv, T/BLOCK + 1, F, D] fp32; the only O(T/C * D^2) tensor).
+  2. ``_fwd_kernel``, one program per (batch, head, query block [s, s+BLOCK)):
+     - window: online softmax over the key blocks covering [s-w+1, s+BLOCK-1] (two blocks when
+       BLOCK = w), masked to j in [t-w+1, t];
+     - linear: prefix state of chunk c0 = floor((s-w)/BLOCK) (keys every row of the block sees), plus
+       the keys [c0*BLOCK, s+BLOCK-1-w] under the exact mask j <= t-w (quadratic within <= 2 blocks);
+     - combine with a = sigmoid(window_logit), b = sigmoid(linear_logit) as in reference.combine.
+     It stores the output, and per row the window max m, the window sum l (relative to m) and the
+     denominator, which is all the backward needs besides q, k, v, o.
+
+backward (everything fused except the chunk-axis cumsums and the [H] logit-gradient sums)
+  3. ``_bwd_q_kernel`` per (batch, head, query block): recomputes the window probabilities from
+     (m, l) and the linear readout from the (recomputed) prefix states; writes dq and per-row
+     scalars for the key side (the window "delta", scale factors) and the per-row logit gradients.
+  4. ``_q_state_kernel`` per (batch, KV head, chunk): ``sum_h phi(Q_c)^T dN`` and
+     ``sum_h phi(Q_c)^T dZ`` over the heads sharing the KV head; a reverse cumsum over chunks gives
+     the suffix states a key needs for the queries t >= j + w.
+  5. ``_bwd_kv_kernel`` per (batch, KV head, key block): loops over the query heads of its group
+     (GQA: dk, dv are summed without materialising repeated k/v) and over the query blocks within
+     the window after the keys, plus the intra-chunk linear part and the suffix state.
+
+GQA: k, v may have H_kv heads with H % H_kv == 0 (or be expanded, H_kv = H); query head h reads
+KV head h // (H / H_kv). Key padding is supported; callable feature maps raise NotImplementedError
+so that ``hybrid_llama.ops.hybrid_attention`` falls back to the chunked backend.
+
+LoLCATs: its window term uses exp(s - m) with m the window max, and the reference lets the gradient
+flow through that max (torch.amax). The kernels track the argmax key per row and route the
+max-gradient there; on exact score ties torch would split it, we give it to the first one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .triton_common import (
+    check_device,
+    check_feature_map,
+    check_formulation,
+    check_head_dim,
+    dot_precision,
+    dphi,
+    last_dim_contiguous,
+    phi,
+)
+
+DEFAULT_BLOCK = 64
+
+
+@triton.jit
+def _load_rows(ptr, rows, stride_t, cols, ok):
+    """[BLOCK, D] tile of rows ``rows`` (zeros where not ``ok``)."""
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _key_ok(km_ptr, b, smb, rows, T, HAS_MASK: tl.constexpr):
+    """In range and (with a padding mask) a real key."""
+    ok = rows < T
+    if HAS_MASK:
+        ok = ok & (tl.load(km_ptr + b * smb + rows, mask=rows < T, other=0) != 0)
+    return ok
+
+
+# --------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _kv_state_kernel(
+    k_ptr, v_ptr, km_ptr, s_ptr, z_ptr,
+    skb, skh, skt, svb, svh, svt, smb,
+    HKV, T, NC1,
+    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
+    b = bh // HKV
+    hk = bh % HKV
+    rows = c * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    ok = _key_ok(km_ptr, b, smb, rows, T, HAS_MASK)
+    kf = _load_rows(k_ptr + b * skb + hk * skh, rows, skt, d, ok).to(tl.float32)
+    vf = _load_rows(v_ptr + b * svb + hk * svh, rows, svt, d, ok).to(tl.float32)
+    pk = tl.where(ok[:, None], phi(kf), 0.0)  # phi(0) = 1, so padded rows must be zeroed
+    st = tl.dot(tl.trans(pk), vf, input_precision=PREC)
+    # Chunk c goes to slot c + 1: a cumsum over slots then gives the exclusive prefix in slot c.
+    slot = bh * NC1 + c + 1
+    tl.store(s_ptr + slot * D * D + d[:, None] * D + d[None, :], st)
+    tl.store(z_ptr + slot * D + d, tl.sum(pk, 0))
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
+    m_ptr, l_ptr, den_ptr, idx_ptr,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
+    H, HKV, T, W, NC1, sm_scale,
+    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    s0 = mb * BLOCK
+    r = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    tq = s0 + r
+    q_ok = tq < T
+    q = _load_rows(q_ptr + b * sqb + h * sqh, tq, sqt, d, q_ok)
+    kbase = k_ptr + b * skb + hk * skh
+    vbase = v_ptr + b * svb + hk * svh
+
+    # Window: online softmax over keys [t-w+1, t].
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    idx = tl.zeros([BLOCK], tl.int32)
+    acc = tl.zeros([BLOCK, D], tl.float32)
+    lo = (tl.maximum(s0 - W + 1, 0) // BLOCK) * BLOCK
+    hi = tl.minimum(s0 + BLOCK, T)
+    for n in range(lo, hi, BLOCK):
+        tk = n + r
+        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+        kk = _load_rows(kbase, tk, skt, d, k_ok)
+        vv = _load_rows(vbase, tk, svt, d, k_ok)
+        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
+        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        bmax = tl.max(s, 1)
+        if LOLCATS:
+            idx = tl.where(bmax > m_i, n + tl.argmax(s, 1).to(tl.int32), idx)
+        m_new = tl.maximum(m_i, bmax)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: keep exps at 0
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+        m_i = m_new
+
+    # Linear: keys j <= t - w. Prefix state of the chunks every row of the block sees, then the
+    # remaining keys (at most two blocks) under the exact mask.
+    pq = phi(q.to(tl.float32))
+    c0 = tl.maximum(s0 - W, 0) // BLOCK
+    sbase = (b * HKV + hk) * NC1 + c0
+    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
+    z_pre = tl.load(z_ptr + sbase * D + d)
+    lin = tl.dot(pq, s_pre, input_precision=PREC)
+    lden = tl.sum(pq * z_pre[None, :], 1)
+    for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
+        tk = n + r
+        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+        pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
+        vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
+        A = tl.dot(pq, tl.trans(pk), input_precision=PREC)
+        A = tl.where(tk[None, :] <= tq[:, None] - W, A, 0.0)
+        lin += tl.dot(A, vf, input_precision=PREC)
+        lden += tl.sum(A, 1)
+
+    a = tl.load(a_ptr + h)
+    bw = tl.load(b_ptr + h)
+    if LOLCATS:
+        num = a * acc + bw * lin
+        den = a * l_i + bw * lden
+    else:
+        has_win = l_i > 0
+        wsc = tl.where(has_win, a / tl.where(has_win, l_i, 1.0), 0.0)
+        num = wsc[:, None] * acc + bw * lin
+        den = tl.where(has_win, a, 0.0) + bw * lden
+    has_any = den > 0
+    out = tl.where(has_any[:, None], num / tl.where(has_any, den, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + b * sob + h * soh + tq[:, None] * sot + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=q_ok[:, None])
+    row = bh * T + tq
+    tl.store(m_ptr + row, m_i, mask=q_ok)
+    tl.store(l_ptr + row, l_i, mask=q_ok)
+    tl.store(den_ptr + row, den, mask=q_ok)
+    if LOLCATS:
+        tl.store(idx_ptr + row, idx, mask=q_ok)
+
+
+# -------------------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_q_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, dq_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
+    m_ptr, l_ptr, den_ptr, idx_ptr,
+    gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr, da_ptr, db_ptr,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdob, sdoh, sdot,
+    sdqb, sdqh, sdqt, smb,
+    H, HKV, T, W, NC1, sm_scale,
+    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HKV)
+    s0 = mb * BLOCK
+    r = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    tq = s0 + r
+    q_ok = tq < T
+    q = _load_rows(q_ptr + b * sqb + h * sqh, tq, sqt, d, q_ok)
+    qf = q.to(tl.float32)
+    do = _load_rows(do_ptr + b * sdob + h * sdoh, tq, sdot, d, q_ok).to(tl.float32)
+    o = _load_rows(o_ptr + b * sob + h * soh, tq, sot, d, q_ok).to(tl.float32)
+    row = bh * T + tq
+    m = tl.load(m_ptr + row, mask=q_ok, other=0.0)
+    l = tl.load(l_ptr + row, mask=q_ok, other=0.0)
+    den = tl.load(den_ptr + row, mask=q_ok, other=0.0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    has_win = l > 0
+    l_safe = tl.where(has_win, l, 1.0)
+    inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)  # rows output as zeros get no grad
+    dnum = do * inv[:, None]
+    dden = -tl.sum(do * o, 1) * inv
+    kbase = k_ptr + b * skb + hk * skh
+    vbase = v_ptr + b * svb + hk * svh
+    lo = (tl.maximum(s0 - W + 1, 0) // BLOCK) * BLOCK
+    hi = tl.minimum(s0 + BLOCK, T)
+
+    # Pass 1: the normalised window average ow = sum_j p_j v_j.
+    ow = tl.zeros([BLOCK, D], tl.float32)
+    for n in range(lo, hi, BLOCK):
+        tk = n + r
+        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+        kk = _load_rows(kbase, tk, skt, d, k_ok)
+        vv = _load_rows(vbase, tk, svt, d, k_ok)
+        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
+        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        p = tl.where(ok, tl.exp(s - m_use[:, None]) / l_safe[:, None], 0.0)
+        ow += tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+
+    a = tl.load(a_ptr + h)
+    bw = tl.load(b_ptr + h)
+    # Window gradient as ds_j = p_j (g . v_j - dt) with p the normalised probabilities.
+    if LOLCATS:
+        # out = (a*l*ow + b*N) / (a*l + b*Z): d/dP_j = a*dnum.v_j + a*dden, P_j = l*p_j.
+        gsc = a * l * inv
+        dt = -a * l * dden
+        da_row = l * (tl.sum(dnum * ow, 1) + dden)
+        # Gradient through m = max_j s_j (torch.amax in the reference): -sum_j ds_j.
+        dm = -(gsc * tl.sum(do * ow, 1) - dt)
+    else:
+        gsc = tl.where(has_win, a * inv, 0.0)
+        dt = gsc * tl.sum(do * ow, 1)
+        da_row = tl.where(has_win, tl.sum(dnum * ow, 1) + dden, 0.0)
+    g = do * gsc[:, None]
+
+    # Pass 2: dq from the window.
+    dq = tl.zeros([BLOCK, D], tl.float32)
+    for n in range(lo, hi, BLOCK):
+        tk = n + r
+        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+        kk = _load_rows(kbase, tk, skt, d, k_ok)
+        vv = _load_rows(vbase, tk, svt, d, k_ok)
+        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
+        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        p = tl.where(ok, tl.exp(s - m_use[:, None]) / l_safe[:, None], 0.0)
+        dp = tl.dot(g.to(vv.dtype), tl.trans(vv), input_precision=PREC)
+        ds = p * (dp - dt[:, None])
+        dq += tl.dot(ds.to(kk.dtype), kk, input_precision=PREC)
+    if LOLCATS:
+        idx = tl.load(idx_ptr + row, mask=q_ok, other=0)
+        k_max = tl.load(kbase + idx[:, None] * skt + d[None, :], mask=(q_ok & has_win)[:, None], other=0.0)
+        dq += dm[:, None] * k_max.to(tl.float32)
+    dq = dq * sm_scale
+
+    # Linear part: readout (for the logit gradient) and dq, from the prefix state and <= 2 blocks.
+    lsc = bw * inv  # dN = lsc * do, the gradient of phi(q) S
+    ldd = bw * dden  # dZ, the gradient of phi(q) . z
+    dn = do * lsc[:, None]
+    pq = phi(qf)
+    c0 = tl.maximum(s0 - W, 0) // BLOCK
+    sbase = (b * HKV + hk) * NC1 + c0
+    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
+    z_pre = tl.load(z_ptr + sbase * D + d)
+    lin = tl.dot(pq, s_pre, input_precision=PREC)
+    lden = tl.sum(pq * z_pre[None, :], 1)
+    dpq = tl.dot(dn, tl.trans(s_pre), input_precision=PREC) + ldd[:, None] * z_pre[None, :]
+    for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
+        tk = n + r
+        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+        pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
+        vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
+        ok = tk[None, :] <= tq[:, None] - W
+        A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
+        lin += tl.dot(A, vf, input_precision=PREC)
+        lden += tl.sum(A, 1)
+        dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
+        dpq += tl.dot(dA, pk, input_precision=PREC)
+    dq += dpq * dphi(qf)
+    db_row = tl.sum(dnum * lin, 1) + dden * lden
+
+    tl.store(dq_ptr + b * sdqb + h * sdqh + tq[:, None] * sdqt + d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=q_ok[:, None])
+    tl.store(gsc_ptr + row, gsc, mask=q_ok)
+    tl.store(dt_ptr + row, dt, mask=q_ok)
+    tl.store(lsc_ptr + row, lsc, mask=q_ok)
+    tl.store(ldd_ptr + row, ldd, mask=q_ok)
+    tl.store(da_ptr + row, da_row, mask=q_ok)
+    tl.store(db_ptr + row, db_row, mask=q_ok)
+    if LOLCATS:
+        tl.store(dm_ptr + row, dm, mask=q_ok)
+
+
+@triton.jit
+def _q_state_kernel(
+    q_ptr, do_ptr, lsc_ptr, ldd_ptr, g_ptr, gz_ptr,
+    sqb, sqh, sqt, sdob, sdoh, sdot,
+    H, HKV, T, NC1,
+    BLOCK: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk, summed over the query heads of one KV head: phi(Q)^T dN and phi(Q)^T dZ."""
+    c = tl.program_id(0)
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // HKV
+    hk = bhk % HKV
+    group = H // HKV
+    rows = c * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    ok = rows < T
+    gs = tl.zeros([D, D], tl.float32)
+    gz = tl.zeros([D], tl.float32)
+    for hh in range(0, group):
+        h = hk * group + hh
+        pq = tl.where(ok[:, None], phi(_load_rows(q_ptr + b * sqb + h * sqh, rows, sqt, d, ok).to(tl.float32)), 0.0)
+        do = _load_rows(do_ptr + b * sdob + h * sdoh, rows, sdot, d, ok).to(tl.float32)
+        row = (b * H + h) * T + rows
+        lsc = tl.load(lsc_ptr + row, mask=ok, other=0.0)
+        ldd = tl.load(ldd_ptr + row, mask=ok, other=0.0)
+        gs += tl.dot(tl.trans(pq), do * lsc[:, None], input_precision=PREC)
+        gz += tl.sum(pq * ldd[:, None], 0)
+    slot = bhk * NC1 + c
+    tl.store(g_ptr + slot * D * D + d[:, None] * D + d[None, :], gs)
+    tl.store(gz_ptr + slot * D + d, gz)
+
+
+@triton.jit
+def _bwd_kv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, km_ptr, g_ptr, gz_ptr,
+    m_ptr, l_ptr, idx_ptr, gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
+    sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, smb,
+    H, HKV, T, W, NC1, sm_scale,
+    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    nb = tl.program_id(0)
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // HKV
+    hk = bhk % HKV
+    group = H // HKV
+    n0 = nb * BLOCK
+    r = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    tk = n0 + r
+    k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+    kk = _load_rows(k_ptr + b * skb + hk * skh, tk, skt, d, k_ok)
+    vv = _load_rows(v_ptr + b * svb + hk * svh, tk, svt, d, k_ok)
+    kf = kk.to(tl.float32)
+    vf = vv.to(tl.float32)
+    pk = tl.where(k_ok[:, None], phi(kf), 0.0)
+    dk = tl.zeros([BLOCK, D], tl.float32)
+    dv = tl.zeros([BLOCK, D], tl.float32)
+    dpk = tl.zeros([BLOCK, D], tl.float32)
+    # Queries t >= U see the whole key block through the linear state (suffix from chunk U/BLOCK).
+    U = tl.cdiv(n0 + BLOCK - 1 + W, BLOCK) * BLOCK
+    for hh in range(0, group):
+        h = hk * group + hh
+        qbase = q_ptr + b * sqb + h * sqh
+        dobase = do_ptr + b * sdob + h * sdoh
+        rbase = (b * H + h) * T
+        # Window: queries t in [j, j+w-1] for the keys j of this block.
+        for ts in range(n0, tl.minimum(n0 + BLOCK - 1 + W, T), BLOCK):
+            tq = ts + r
+            q_ok = tq < T
+            q = _load_rows(qbase, tq, sqt, d, q_ok)
+            do = _load_rows(dobase, tq, sdot, d, q_ok).to(tl.float32)
+            m = tl.load(m_ptr + rbase + tq, mask=q_ok, other=0.0)
+            l = tl.load(l_ptr + rbase + tq, mask=q_ok, other=0.0)
+            gsc = tl.load(gsc_ptr + rbase + tq, mask=q_ok, other=0.0)
+            dt = tl.load(dt_ptr + rbase + tq, mask=q_ok, other=0.0)
+            m_use = tl.where(m == float("-inf"), 0.0, m)
+            l_safe = tl.where(l > 0, l, 1.0)
+            s = tl.dot(kk, tl.trans(q), input_precision=PREC) * sm_scale  # [keys, queries]
+            ok = (tq[None, :] >= tk[:, None]) & (tq[None, :] < tk[:, None] + W) & q_ok[None, :] & k_ok[:, None]
+            p = tl.where(ok, tl.exp(s - m_use[None, :]) / l_safe[None, :], 0.0)
+            g = (do * gsc[:, None]).to(vv.dtype)
+            dv += tl.dot(p.to(vv.dtype), g, input_precision=PREC)
+            dp = tl.dot(vv, tl.trans(g), input_precision=PREC)
+            ds = p * (dp - dt[None, :])
+            if LOLCATS:
+                idx = tl.load(idx_ptr + rbase + tq, mask=q_ok, other=-1)
+                dm = tl.load(dm_ptr + rbase + tq, mask=q_ok, other=0.0)
+                ds += tl.where(ok & (idx[None, :] == tk[:, None]), dm[None, :], 0.0)
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=PREC)
+        # Linear, queries t in [j+w, U) that the suffix state does not cover.
+        for ts in range(n0 + W, tl.minimum(U, T), BLOCK):
+            tq = ts + r
+            q_ok = tq < T
+            pq = tl.where(q_ok[:, None], phi(_load_rows(qbase, tq, sqt, d, q_ok).to(tl.float32)), 0.0)
+            do = _load_rows(dobase, tq, sdot, d, q_ok).to(tl.float32)
+            lsc = tl.load(lsc_ptr + rbase + tq, mask=q_ok, other=0.0)
+            ldd = tl.load(ldd_ptr + rbase + tq, mask=q_ok, other=0.0)
+            dn = do * lsc[:, None]
+            ok = (tq[None, :] >= tk[:, None] + W) & (q_ok & (tq < U))[None, :]  # t >= U: suffix state
+            A = tl.where(ok, tl.dot(pk, tl.trans(pq), input_precision=PREC), 0.0)
+            dv += tl.dot(A, dn, input_precision=PREC)
+            dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
+            dpk += tl.dot(dA, pq, input_precision=PREC)
+    dk = dk * sm_scale
+    cu = tl.minimum(U // BLOCK, NC1 - 1)
+    sbase = bhk * NC1 + cu
+    g_suf = tl.load(g_ptr + sbase * D * D + d[:, None] * D + d[None, :])
+    gz_suf = tl.load(gz_ptr + sbase * D + d)
+    dpk += tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :]
+    dv += tl.dot(pk, g_suf, input_precision=PREC)
+    dk += tl.where(k_ok[:, None], dpk * dphi(kf), 0.0)
+    tl.store(dk_ptr + b * sdkb + hk * sdkh + tk[:, None] * sdkt + d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=(tk < T)[:, None])
+    tl.store(dv_ptr + b * sdvb + hk * sdvh + tk[:, None] * sdvt + d[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=(tk < T)[:, None])
+
+
+# ----------------------------------------------------------------------------------------- python
+
+
+def _s3(x: Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _launch(block: int, d: int) -> dict:
+    # Not tuned on a GPU yet. Chosen from offline sm_90 compiles (ptxas -v): at BLOCK = D = 64,
+    # 4 warps spill registers in every kernel, 8 warps spill none in the forward and little in the
+    # backward. D = 128 gets fewer pipeline stages so its [D, D] fp32 state fits in shared memory.
+    return dict(num_warps=8 if block * d >= 64 * 64 else 4, num_stages=2 if d >= 128 else 3)
+
+
+def _kv_states(k: Tensor, v: Tensor, km: Tensor, has_mask: bool, block: int, prec: str) -> tuple[Tensor, Tensor]:
+    """Exclusive prefix states over chunks: S[bh, c] = sum over keys < c*block. [B*Hkv, NC+1, D, D]."""
+    B, HKV, T, D = k.shape
+    nc = triton.cdiv(T, block)
+    s = torch.zeros(B * HKV, nc + 1, D, D, device=k.device, dtype=torch.float32)
+    z = torch.zeros(B * HKV, nc + 1, D, device=k.device, dtype=torch.float32)
+    _kv_state_kernel[(nc, B * HKV)](
+        k, v, km, s, z, *_s3(k), *_s3(v), km.stride(0), HKV, T, nc + 1,
+        BLOCK=block, D=D, HAS_MASK=has_mask, PREC=prec, **_launch(block, D),
+    )
+    return s.cumsum_(1), z.cumsum_(1)
+
+
+class _HybridAttentionTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, window_logit, linear_logit, window, lolcats, key_padding_mask, block):
+        B, H, T, D = q.shape
+        HKV = k.shape[1]
+        q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        has_mask = key_padding_mask is not None
+        km = key_padding_mask.to(torch.int8).contiguous() if has_mask else q.new_zeros(1, 1, dtype=torch.int8)
+        a = torch.sigmoid(window_logit.detach().float()).contiguous()
+        bw = torch.sigmoid(linear_logit.detach().float()).contiguous()
+        prec = dot_precision(q.dtype)
+        s, z = _kv_states(k, v, km, has_mask, block, prec)
+        o = torch.empty_like(q)
+        stats = torch.empty(3, B * H, T, device=q.device, dtype=torch.float32)
+        m, l, den = stats[0], stats[1], stats[2]
+        idx = torch.empty(B * H, T, device=q.device, dtype=torch.int32) if lolcats else m
+        grid = (triton.cdiv(T, block), B * H)
+        _fwd_kernel[grid](
+            q, k, v, o, km, s, z, a, bw, m, l, den, idx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(o), km.stride(0),
+            H, HKV, T, window, s.shape[1], 1.0 / math.sqrt(D),
+            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **_launch(block, D),
+        )
+        ctx.save_for_backward(q, k, v, o, km, a, bw, m, l, den, idx)
+        ctx.cfg = (window, lolcats, has_mask, block, window_logit.dtype, linear_logit.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, km, a, bw, m, l, den, idx = ctx.saved_tensors
+        window, lolcats, has_mask, block, wl_dtype, ll_dtype = ctx.cfg
+        B, H, T, D = q.shape
+        HKV = k.shape[1]
+        do = last_dim_contiguous(do)
+        prec = dot_precision(q.dtype)
+        scale = 1.0 / math.sqrt(D)
+        launch = _launch(block, D)
+        s, z = _kv_states(k, v, km, has_mask, block, prec)  # recomputed: cheaper than keeping them
+        nc1 = s.shape[1]
+        dq = torch.empty_like(q)
+        rows = torch.empty(7, B * H, T, device=q.device, dtype=torch.float32)
+        gsc, dt, lsc, ldd, dm, da_row, db_row = rows.unbind(0)
+        _bwd_q_kernel[(triton.cdiv(T, block), B * H)](
+            q, k, v, o, do, dq, km, s, z, a, bw, m, l, den, idx,
+            gsc, dt, lsc, ldd, dm, da_row, db_row,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(o), *_s3(do), *_s3(dq), km.stride(0),
+            H, HKV, T, window, nc1, scale,
+            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **launch,
+        )
+        del s, z
+        # Query-side chunk states, then suffix sums: slot c = sum over query chunks >= c.
+        g = torch.zeros(B * HKV, nc1, D, D, device=q.device, dtype=torch.float32)
+        gz = torch.zeros(B * HKV, nc1, D, device=q.device, dtype=torch.float32)
+        _q_state_kernel[(nc1 - 1, B * HKV)](
+            q, do, lsc, ldd, g, gz, *_s3(q), *_s3(do), H, HKV, T, nc1,
+            BLOCK=block, D=D, PREC=prec, **launch,
+        )
+        g = g.flip(1).cumsum_(1).flip(1)
+        gz = gz.flip(1).cumsum_(1).flip(1)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        _bwd_kv_kernel[(triton.cdiv(T, block), B * HKV)](
+            q, k, v, do, dk, dv, km, g, gz, m, l, idx, gsc, dt, lsc, ldd, dm,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk), *_s3(dv), km.stride(0),
+            H, HKV, T, window, nc1, scale,
+            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **launch,
+        )
+        dwl = (da_row.view(B, H, T).sum((0, 2)) * a * (1 - a)).to(wl_dtype)
+        dll = (db_row.view(B, H, T).sum((0, 2)) * bw * (1 - bw)).to(ll_dtype)
+        return dq, dk, dv, dwl, dll, None, None, None, None
+
+
+def hybrid_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int = 64,
+    formulation: str = "hybrid",
+    feature_map="elu1",
+    key_padding_mask: Tensor | None = None,
+    block_size: int | None = None,
+) -> Tensor:
+    """Fused hybrid attention (see docs/design.md "ops"): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``
+    with ``H % H_kv == 0``; returns ``[B, H, T, D]`` in q's dtype. Differentiable in q, k, v and both
+    logits. ``block_size`` (power of two >= 16) is the query/key/chunk block, default 64 (32 for D = 128)."""
+    check_feature_map(feature_map)
+    lolcats = check_formulation(formulation)
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"q must be [B, H, T, D], k/v [B, H_kv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D or H % k.shape[1] != 0:
+        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (need H % H_kv == 0)")
+    check_head_dim(D)
+    check_device(q)
+    # Mixed dtypes (e.g. under autocast) run in q's dtype; the casts are differentiable.
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise NotImplementedError(f"triton backend supports fp32/fp16/bf16, got {q.dtype}")
+    for name, logit in (("window_logit", window_logit), ("linear_logit", linear_logit)):
+        if logit.shape != (H,):
+            raise ValueError(f"{name} must be [H]=[{H}], got {tuple(logit.shape)}")
+    if int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if key_padding_mask is not None and (key_padding_mask.shape != (B, T) or key_padding_mask.dtype != torch.bool):
+        raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}]")
+    block = block_size or (DEFAULT_BLOCK if D <= 64 else 32)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block}")
+    if T == 0:
+        return q.new_zeros(q.shape)
+    return _HybridAttentionTriton.apply(q, k, v, window_logit, linear_logit, int(window), lolcats, key_padding_mask, block)

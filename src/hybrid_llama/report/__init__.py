@@ -1,0 +1,1 @@
+"""Report figures (``plots``, ``quality_plots``), summary text (``summary``) and the HTML report."""

@@ -1,0 +1,229 @@
+"""Figures for the report (matplotlib, no display needed).
+
+Every function reads CSV/JSON artifacts, writes ``<out_stem>.png`` and ``<out_stem>.svg`` and returns
+both paths. Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot global state), so
+they render headless (Agg) and are safe to call from several threads of a workflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+from matplotlib import rc_context
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator
+
+CHANCE = 0.25
+
+
+def _save(fig: Figure, out_stem: str | Path) -> list[Path]:
+    stem = Path(out_stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    with rc_context({"svg.fonttype": "none"}):  # keep text as text: searchable, smaller
+        fig.savefig(paths[1], bbox_inches="tight")
+    return paths
+
+
+def _devices(values: Iterable) -> str:
+    names = sorted({str(v) for v in values if isinstance(v, str) and v})
+    return ", ".join(names) if names else "unknown device"
+
+
+def _log2_axis(ax) -> None:
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(LogLocator(base=2, numticks=20))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"$2^{{{int(round(math.log2(x)))}}}$" if x > 0 else ""))
+
+
+def _read_throughput(csv_path) -> pd.DataFrame:
+    df = pd.read_csv(csv_path)
+    if "status" not in df:
+        df["status"] = "ok"
+    return df
+
+
+def _variant_label(df: pd.DataFrame, variant: str) -> str:
+    g = df[df["variant"] == variant]
+    backend = g["backend"].iloc[0] if "backend" in g and len(g) else ""
+    label = f"{variant} ({backend})" if backend and backend not in variant else variant
+    bad = g[g["status"] == "oom"]
+    if len(bad):
+        label += f" [OOM at {int(bad['seq_len'].min())}]"
+    return label
+
+
+def _header(df: pd.DataFrame) -> str:
+    parts = [_devices(df.get("device_name", df.get("device", [])))]
+    if "dtype" in df:
+        parts.append("/".join(sorted(df["dtype"].astype(str).unique())))
+    if "batch" in df:
+        parts.append("batch " + "/".join(str(b) for b in sorted(df["batch"].unique())))
+    return ", ".join(parts)
+
+
+def plot_throughput(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None) -> list[Path]:
+    """2x2: prefill/decode (rows) x tokens/s, s/token (columns) vs prompt length; one line per variant."""
+    df = _read_throughput(csv_path)
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    axes = fig.subplots(2, 2)
+    ylabels = {"tokens_per_s": "throughput (tokens/s)", "s_per_token": "latency (s/token)"}
+    for i, phase in enumerate(("prefill", "decode")):
+        for j, col in enumerate(("tokens_per_s", "s_per_token")):
+            ax = axes[i][j]
+            for variant in df["variant"].unique():
+                g = df[(df["variant"] == variant) & (df["phase"] == phase) & (df["status"] == "ok")]
+                g = g.sort_values("seq_len")
+                if len(g):
+                    ax.plot(g["seq_len"], g[col], marker="o", ms=3, label=_variant_label(df, variant))
+            _log2_axis(ax)
+            ax.set_yscale("log")
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel(ylabels[col])
+            what = "prefill" if phase == "prefill" else "decode (after a prompt of that length)"
+            ax.set_title(what)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title or f"Throughput vs prompt length: {_header(df)}")
+    return _save(fig, out_stem)
+
+
+def plot_memory(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None) -> list[Path]:
+    """Peak memory (prefill solid, decode dashed) and cache size vs prompt length, per variant."""
+    df = _read_throughput(csv_path)
+    ok = df[df["status"] == "ok"]
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    ax_mem, ax_cache = fig.subplots(1, 2)
+    method = ", ".join(sorted(df["mem_method"].dropna().astype(str).unique())) if "mem_method" in df else ""
+    big = ok["peak_mem_bytes"].max() > 4 * 2**30 if len(ok) else False
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    for k, variant in enumerate(df["variant"].unique()):
+        color = f"C{k % 10}"
+        for phase, style in (("prefill", "-"), ("decode", "--")):
+            g = ok[(ok["variant"] == variant) & (ok["phase"] == phase)].sort_values("seq_len")
+            if len(g):
+                ax_mem.plot(g["seq_len"], g["peak_mem_bytes"] / scale, ls=style, color=color, marker="o", ms=3,
+                            label=f"{_variant_label(df, variant)} {phase}")
+        g = ok[(ok["variant"] == variant) & (ok["phase"] == "prefill")].sort_values("seq_len")
+        if "cache_bytes" in g and g["cache_bytes"].notna().any():
+            ax_cache.plot(g["seq_len"], g["cache_bytes"] / 2**20, color=color, marker="o", ms=3,
+                          label=_variant_label(df, variant))
+    for ax in (ax_mem, ax_cache):
+        _log2_axis(ax)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_cache.set_yscale("log")  # KV grows linearly, the hybrid state is flat: spans decades
+    ax_mem.set_ylim(bottom=0)
+    ax_mem.set_ylabel(f"peak memory ({unit})")
+    ax_mem.set_title(f"peak memory{' (' + method + ')' if method else ''}")
+    ax_cache.set_ylabel("cache size after prefill (MiB)")
+    ax_cache.set_title("generation cache (KV / hybrid state)")
+    ax_mem.legend(fontsize=7)
+    if ax_cache.lines:
+        ax_cache.legend(fontsize=7)
+    fig.suptitle(title or f"Memory vs prompt length: {_header(df)}")
+    return _save(fig, out_stem)
+
+
+def _mmlu_label(res: dict) -> tuple[str, str]:
+    meta = res.get("meta") or {}
+    parts = [str(meta[k]) for k in ("variant", "stage") if meta.get(k)]
+    who = " / ".join(dict.fromkeys(parts)) or str(meta.get("model", "model"))  # "base / base" -> "base"
+    setting = f"{res.get('shots', '?')}-shot {res.get('fmt', 'mc')}, {res.get('device_name', '?')}"
+    return who, setting
+
+
+def plot_mmlu(json_paths: list[str | Path], out_stem: str | Path, *, metric: str = "acc",
+              aggregate: str = "weighted", title: str | None = None) -> list[Path]:
+    """Grouped bars: one group per variant/stage, one bar per shots x format x device, with stderr
+    bars and the 25% chance line. ``aggregate``: "weighted" (by subject size) or "mean"."""
+    results = [json.loads(Path(p).read_text()) for p in json_paths]
+    groups: list[str] = []
+    settings: list[str] = []
+    values: dict[tuple[str, str], tuple[float, float]] = {}
+    for res in results:
+        who, setting = _mmlu_label(res)
+        agg = res["aggregate"]
+        key = f"{metric}_{aggregate}"
+        if key not in agg:
+            continue
+        groups += [who] if who not in groups else []
+        settings += [setting] if setting not in settings else []
+        values[who, setting] = (agg[key], agg.get(f"{key}_stderr", float("nan")))
+    fig = Figure(figsize=(max(6.0, 1.2 * len(groups) * max(1, len(settings)) + 2), 4.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(1, len(settings))
+    for j, setting in enumerate(settings):
+        xs, ys, es = [], [], []
+        for i, who in enumerate(groups):
+            if (who, setting) in values:
+                y, e = values[who, setting]
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(100 * y)
+                es.append(100 * e)
+        bars = ax.bar(xs, ys, width=width * 0.95, yerr=es, capsize=3, label=setting, color=f"C{j % 10}")
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=2)
+    ax.axhline(100 * CHANCE, color="k", ls="--", lw=1, label="chance (25%)")
+    ax.set_xticks(range(len(groups)), groups, rotation=15)
+    ax.set_ylabel(f"MMLU {metric} ({aggregate} over subjects, %) ± stderr")
+    ax.set_xlabel("model variant / stage")
+    top = max([v[0] + (v[1] if v[1] == v[1] else 0) for v in values.values()] + [CHANCE])
+    ax.set_ylim(0, min(100, 100 * top + 15))
+    ax.legend(fontsize=8)
+    devices = _devices(r.get("device_name") for r in results)
+    ax.set_title(title or f"MMLU accuracy: {devices}")
+    return _save(fig, out_stem)
+
+
+def _device_for(csv_path: Path, device: str | None) -> str:
+    if device:
+        return device
+    metrics = csv_path.parent / "metrics.json"
+    if metrics.exists():
+        m = json.loads(metrics.read_text())
+        for k in ("device_name", "device"):
+            if isinstance(m.get(k), str):
+                return m[k]
+    return "unknown device"
+
+
+def plot_transfer_loss(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None,
+                       device: str | None = None) -> list[Path]:
+    """Attention-transfer MSE per hybrid layer over optimizer steps (loss.csv: step, layer, mse)."""
+    csv_path = Path(csv_path)
+    df = pd.read_csv(csv_path)
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for layer in sorted(df["layer"].unique()):
+        g = df[df["layer"] == layer].sort_values("step")
+        ax.plot(g["step"], g["mse"], label=f"layer {layer}", lw=1.2)
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("attention-output MSE vs softmax teacher")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2 if df["layer"].nunique() > 8 else 1)
+    ax.set_title(title or f"Attention transfer loss per layer: {_device_for(csv_path, device)}")
+    return _save(fig, out_stem)
+
+
+def plot_lora_loss(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None,
+                   device: str | None = None) -> list[Path]:
+    """LoRA fine-tuning loss, train and validation (loss.csv: step, split, loss)."""
+    csv_path = Path(csv_path)
+    df = pd.read_csv(csv_path)
+    fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for split in sorted(df["split"].unique(), key=lambda s: (s != "train", s)):
+        g = df[df["split"] == split].sort_values("step")
+        ax.plot(g["step"], g["loss"], marker="o" if len(g) < 30 else None, ms=3, label=split)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(title or f"LoRA fine-tuning loss: {_device_for(csv_path, device)}")
+    return _save(fig, out_stem)

@@ -1,0 +1,106 @@
+"""Build each model variant of the pipeline from its artifacts.
+
+``load_stage(model_dir, stage, ...)`` is what evaluation and the workflow call:
+
+- ``base``: the pretrained model as is;
+- ``transfer``: base + ``hybrid_layers.safetensors`` from attention transfer (needs ``hybrid``);
+- ``transfer_lora``: the transfer model + the LoRA adapter of ``run_finetune`` (needs ``adapter``);
+- ``base_lora``: base + a LoRA adapter trained on the plain model (the control).
+
+With ``merge=True`` (default) adapters are merged into the weights (``merge_and_unload``): the result is
+a plain ``LlamaForCausalLM`` (with hybrid layers where configured, trained mixing logits copied in), so
+every evaluator sees the same class. ``merge=False`` returns the ``peft.PeftModel``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["STAGES", "load_stage", "load_base", "as_hybrid_config", "resolve_dtype"]
+
+STAGES = ("base", "transfer", "transfer_lora", "base_lora")
+
+
+def resolve_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}
+    name = aliases.get(name, name)
+    if name is None:
+        return None
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return dt
+
+
+def as_hybrid_config(hybrid: Any):
+    """A ``HybridConfig`` from a dict or a HybridConfig (None stays None)."""
+    from hybrid_llama.layers import HybridConfig
+
+    if hybrid is None or isinstance(hybrid, HybridConfig):
+        return hybrid
+    return HybridConfig.from_dict(dict(hybrid))
+
+
+def load_base(model_dir: str | os.PathLike, *, dtype: Any = None, device: Any = None):
+    """(model, tokenizer) of a resolved model directory (``hybrid_llama.weights.load_model``), eval mode.
+
+    ``dtype`` defaults to float32 (training and adapter merging want fp32 weights).
+    """
+    from hybrid_llama.weights import load_model
+
+    return load_model(model_dir, dtype=resolve_dtype(dtype) or torch.float32, device=device)
+
+
+def load_stage(
+    model_dir: str | os.PathLike,
+    stage: str,
+    *,
+    hybrid: Any = None,
+    hybrid_layers: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | None = None,
+    dtype: Any = None,
+    device: Any = None,
+    merge: bool = True,
+) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) for ``stage`` in base | transfer | transfer_lora | base_lora (see module doc).
+
+    ``hybrid``: HybridConfig or dict (required for transfer stages); ``hybrid_layers``: the
+    ``hybrid_layers.safetensors`` of ``run_transfer``; ``adapter``: the peft directory of
+    ``run_finetune``. Returns the model in eval mode on ``device`` in ``dtype`` (default float32).
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r} (want one of {STAGES})")
+    cfg = as_hybrid_config(hybrid)
+    if stage in ("transfer", "transfer_lora"):
+        if cfg is None or hybrid_layers is None:
+            raise ValueError(f"stage {stage!r} needs hybrid= and hybrid_layers=")
+    elif hybrid_layers is not None or cfg is not None:
+        raise ValueError(f"stage {stage!r} is a plain model: drop hybrid/hybrid_layers")
+    if stage.endswith("_lora") and adapter is None:
+        raise ValueError(f"stage {stage!r} needs adapter=")
+    if not stage.endswith("_lora") and adapter is not None:
+        raise ValueError(f"stage {stage!r} takes no adapter")
+
+    # Adapters are applied in float32 so merging does not round twice; cast at the end.
+    model, tok = load_base(model_dir, dtype=torch.float32)
+    if cfg is not None:
+        from hybrid_llama.models import load_hybrid_layers
+
+        load_hybrid_layers(model, hybrid_layers, cfg)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+        if merge:
+            model = model.merge_and_unload()
+    dt = resolve_dtype(dtype)
+    if dt is not None or device is not None:
+        model = model.to(device=device, dtype=dt)
+    return model.eval(), tok

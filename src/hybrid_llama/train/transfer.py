@@ -1,0 +1,318 @@
+"""Attention transfer: teach each hybrid attention layer to reproduce the frozen softmax layer.
+
+One teacher forward per batch (the LoLCATs recipe): hooks record, for every hybrid layer, the input the
+teacher's attention received (hidden states, RoPE cos/sin, mask) and the output it produced. Each
+student (a ``HybridLlamaAttention`` cloned from that layer) runs on exactly those inputs, so students
+never see each other's errors. Loss = sum over layers of MSE(student output, teacher output).
+
+``python -m hybrid_llama.train.transfer --help`` runs it from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from hybrid_llama.data import load_packed
+from hybrid_llama.stages import as_hybrid_config, load_base, resolve_dtype
+from hybrid_llama.train.common import (
+    TRAIN_DEFAULTS,
+    LossCSV,
+    autocast,
+    batch_order,
+    check_finite,
+    merge_config,
+    pick_device,
+    run_steps,
+    seed_everything,
+)
+
+__all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_CHOICES", "layer_mse"]
+
+TRANSFER_DEFAULTS: dict[str, Any] = {
+    **TRAIN_DEFAULTS,
+    "logits_lr": 0.05,
+    "trainable": "auto",
+    "eval_path": None,
+    "eval_sequences": 4,
+}
+TRAINABLE_CHOICES = ("auto", "logits", "logits+feature_map", "logits+qkvo", "logits+feature_map+qkvo")
+QKVO = ("q_proj.", "k_proj.", "v_proj.", "o_proj.")
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook once the last hybrid layer ran: the rest of the teacher is not needed."""
+
+
+class TeacherTap:
+    """Forward hooks on the teacher's attention modules of ``layers`` recording inputs and outputs."""
+
+    def __init__(self, teacher: nn.Module, layers: list[int]):
+        self.teacher = teacher
+        self.layers = layers
+        self.last = max(layers)
+        self.inputs: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        blocks = teacher.model.layers
+        self._handles = []
+        for i in layers:
+            attn = blocks[i].self_attn
+            self._handles.append(attn.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(attn.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int):
+        def hook(_mod, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            self.inputs[i] = {
+                "hidden_states": h,
+                "position_embeddings": kwargs.get("position_embeddings"),
+                "attention_mask": kwargs.get("attention_mask"),
+            }
+
+        return hook
+
+    def _post(self, i: int):
+        def hook(_mod, _args, out):
+            self.outputs[i] = out[0] if isinstance(out, tuple) else out
+            if i == self.last:
+                raise _StopForward
+
+        return hook
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor) -> None:
+        self.inputs, self.outputs = {}, {}
+        try:
+            self.teacher.model(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _student_out(student: nn.Module, inp: dict[str, Any]) -> torch.Tensor:
+    # Students keep fp32 master weights; a bf16 teacher's activations are upcast (autocast on GPU recasts).
+    dt = student.q_proj.weight.dtype
+    cos, sin = inp["position_embeddings"]
+    return student(
+        hidden_states=inp["hidden_states"].to(dt),
+        position_embeddings=(cos.to(dt), sin.to(dt)),
+        attention_mask=inp["attention_mask"],
+    )[0]
+
+
+def _select_trainable(students: nn.ModuleDict, trainable: str) -> list[tuple[str, nn.Parameter]]:
+    if trainable not in TRAINABLE_CHOICES:
+        raise ValueError(f"train.trainable must be one of {TRAINABLE_CHOICES}, got {trainable!r}")
+    if trainable == "auto":
+        has_fmap = any(True for s in students.values() for _ in s.feature_map.parameters())
+        trainable = "logits+feature_map+qkvo" if has_fmap else "logits+qkvo"
+    parts = set(trainable.split("+"))
+    named = []
+    for i, s in students.items():
+        for n, p in s.named_parameters():
+            on = (
+                (n.startswith("mixing.") and "logits" in parts)
+                or (n.startswith("feature_map.") and "feature_map" in parts)
+                or (n.startswith(QKVO) and "qkvo" in parts)
+            )
+            p.requires_grad_(on)
+            if on:
+                named.append((f"model.layers.{i}.self_attn.{n}", p))
+    if not named:
+        raise ValueError(f"train.trainable={trainable!r} selects no parameters (elu1 has no feature-map params)")
+    return named
+
+
+@torch.no_grad()
+def layer_mse(
+    tap: TeacherTap, students: nn.ModuleDict, rows: torch.Tensor, batch_size: int, device: torch.device, amp: bool
+) -> dict[int, float]:
+    """Mean per-layer MSE(student, teacher) over ``rows`` (each row weighted equally)."""
+    sums = {int(i): 0.0 for i in students}
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size].to(device)
+        with autocast(device, amp):
+            tap.run(batch)
+            for i, s in students.items():
+                out = _student_out(s, tap.inputs[int(i)])
+                sums[int(i)] += F.mse_loss(out.float(), tap.outputs[int(i)].float()).item() * len(batch)
+    return {i: v / len(rows) for i, v in sums.items()}
+
+
+def run_transfer(
+    model_dir: str | os.PathLike,
+    packed_path: str | os.PathLike,
+    hybrid: Any,
+    train: dict | None,
+    out_dir: str | os.PathLike,
+    *,
+    callback=None,
+) -> dict:
+    """Train the hybrid layers of ``hybrid`` to match the frozen base model; returns the metrics dict.
+
+    ``hybrid``: HybridConfig or dict (layers required; window 64, formulation "hybrid", feature_map
+    "elu1", backend "auto"). ``train`` keys and defaults: trainable "auto" (logits+qkvo, plus
+    feature_map when it has parameters; or "logits" | "logits+feature_map" | "logits+qkvo" |
+    "logits+feature_map+qkvo"), lr 1e-3, logits_lr 0.05 (lr of the mixing logits; None = lr),
+    weight_decay 0.0, betas [0.9, 0.999], schedule "cosine" (| "linear" | "constant"), warmup_ratio
+    0.05, min_lr_ratio 0.1, grad_clip 1.0 (per layer), batch_size 4, grad_accum 1, epochs 1, max_steps None, eval_path None (held-out packed file; None = the last
+    ``eval_sequences`` rows of ``packed_path``, excluded from training), eval_sequences 4, seed 0,
+    device "auto", dtype "float32" (teacher weights; students are always fp32), autocast True (bf16 on
+    CUDA only), checkpoint_every 50, checkpoint_dir None (= out_dir/checkpoints), keep_checkpoints 2,
+    resume True, progress True.
+
+    ``callback(step, logs)`` is called after every optimizer step (and checkpoint); raising
+    ``StopTraining`` from it simulates a kill. Writes ``hybrid_layers.safetensors`` (every parameter of
+    the hybrid attention modules, full model names, for ``load_hybrid_layers``), ``metrics.json`` and
+    ``loss.csv`` (step,layer,mse) into ``out_dir``.
+    """
+    cfg = merge_config(train, TRANSFER_DEFAULTS, "transfer train config")
+    hcfg = as_hybrid_config(hybrid)
+    if not hcfg.layers:
+        raise ValueError("hybrid.layers is empty: nothing to transfer")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device(cfg["device"])
+    amp = bool(cfg["autocast"])
+    seed_everything(int(cfg["seed"]))
+
+    teacher, _tok = load_base(model_dir, dtype=resolve_dtype(cfg["dtype"]), device=device)
+    teacher.requires_grad_(False)
+    n_layers = len(teacher.model.layers)
+    bad = [i for i in hcfg.layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"hybrid layers {bad} out of range: the model has {n_layers} layers")
+
+    from hybrid_llama.models import make_hybrid_attention
+
+    students = nn.ModuleDict(
+        {str(i): make_hybrid_attention(teacher.model.layers[i].self_attn, hcfg) for i in hcfg.layers}
+    ).float()
+    students.train()
+    named = _select_trainable(students, cfg["trainable"])
+
+    rows = load_packed(packed_path)
+    if cfg["eval_path"] is not None:
+        train_rows, eval_rows = rows, load_packed(cfg["eval_path"])
+    else:
+        k = int(cfg["eval_sequences"])
+        if k < 1 or len(rows) - k < 1:
+            raise ValueError(f"{packed_path}: {len(rows)} rows, need 1 <= eval_sequences={k} < rows")
+        train_rows, eval_rows = rows[:-k], rows[-k:]
+    bs = int(cfg["batch_size"])
+    n_micro = -(-len(train_rows) // bs)
+    seq_len = rows.shape[1]
+
+    tap = TeacherTap(teacher, hcfg.layers)
+    try:
+        mse_before = layer_mse(tap, students, eval_rows, bs, device, amp)
+        orders: dict[int, list[int]] = {}
+
+        def step_fn(step: int, epoch: int, m: int):
+            if epoch not in orders:
+                orders.clear()
+                orders[epoch] = batch_order(len(train_rows), epoch, int(cfg["seed"]))
+            idx = orders[epoch][m * bs : (m + 1) * bs]
+            batch = train_rows[idx].to(device)
+            with autocast(device, amp):
+                tap.run(batch)
+                total = 0.0
+                logs = {}
+                for i, s in students.items():
+                    y = _student_out(s, tap.inputs[int(i)])
+                    mse = F.mse_loss(y.float(), tap.outputs[int(i)].float())
+                    check_finite(mse, step + 1, f"layer {i}")
+                    logs[f"layer.{i}"] = mse.item()
+                    total = total + mse
+            logs["loss"] = float(total.detach())
+            return total, logs, batch.numel()
+
+        log: dict[str, LossCSV] = {}
+
+        def open_log(resume_step):
+            log["csv"] = LossCSV(out / "loss.csv", ["step", "layer", "mse"], resume_step)
+
+        def on_step(step: int, logs: dict[str, float]):
+            for key, v in logs.items():
+                if key.startswith("layer."):
+                    log["csv"].write(step, int(key.split(".", 1)[1]), v)
+            log["csv"].flush()
+
+        ckpt_dir = Path(cfg["checkpoint_dir"]) if cfg["checkpoint_dir"] else out / "checkpoints"
+        try:
+            result = run_steps(
+                named_trainables=named, n_micro=n_micro, step_fn=step_fn, cfg=cfg, ckpt_dir=ckpt_dir,
+                on_step=on_step, callback=callback, desc="transfer", before_resume=open_log,
+                clip_groups=[[(n, p) for n, p in named if n.startswith(f"model.layers.{i}.")] for i in students],
+            )
+        finally:
+            if "csv" in log:
+                log["csv"].close()
+        students.eval()
+        mse_after = layer_mse(tap, students, eval_rows, bs, device, amp)
+    finally:
+        tap.remove()
+
+    tensors = {}
+    for i, s in students.items():
+        prefix = f"model.layers.{i}.self_attn."
+        for n, p in s.named_parameters():
+            tensors[prefix + n] = p.detach().float().contiguous().cpu()
+    tmp = out / ".hybrid_layers.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"hybrid": json.dumps(asdict(hcfg))})
+    os.replace(tmp, out / "hybrid_layers.safetensors")
+
+    metrics = {
+        "mse_before": {str(i): v for i, v in mse_before.items()},
+        "mse_after": {str(i): v for i, v in mse_after.items()},
+        "mse_before_mean": sum(mse_before.values()) / len(mse_before),
+        "mse_after_mean": sum(mse_after.values()) / len(mse_after),
+        "wall_time_s": result["elapsed_s"],
+        "train_tokens": result["tokens"],
+        "tokens_per_s": result["tokens"] / max(1e-9, result["elapsed_s"]),
+        "steps": result["steps"],
+        "resumed_from_step": result["start_step"],
+        "seq_len": seq_len,
+        "train_sequences": len(train_rows),
+        "eval_sequences": len(eval_rows),
+        "trainable": sorted({n.split(".self_attn.", 1)[1].split(".")[0] for n, _ in named}),
+        "num_trainable_params": sum(p.numel() for _, p in named),
+        "device": str(device),
+        "hybrid": asdict(hcfg),
+        "train": cfg,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hybrid_llama.train.transfer", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--packed", required=True, help="packed corpus safetensors from hybrid_llama.data")
+    ap.add_argument("--layers", required=True, help="comma-separated hybrid layer indices")
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--feature-map", default="elu1")
+    ap.add_argument("--formulation", default="hybrid")
+    ap.add_argument("--train", default="{}", help="JSON dict of train keys (see docs/notes/train.md)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    hybrid = {"layers": [int(x) for x in a.layers.split(",")], "window": a.window,
+              "feature_map": a.feature_map, "formulation": a.formulation}
+    m = run_transfer(a.model_dir, a.packed, hybrid, json.loads(a.train), a.out)
+    print(json.dumps({k: m[k] for k in ("mse_before", "mse_after", "wall_time_s", "tokens_per_s")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random Llama (built locally, no download) and the shared data path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid_llama.weights import load_model, resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SPEC = {"kind": "random", "preset": "tiny", "seed": 0}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip themselves on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    return Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama (hidden 64, 4 layers, 4 heads, 2 KV heads) + byte tokenizer, fp32."""
+    return resolve_model(TINY_SPEC, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def tiny_model(tiny_model_dir):
+    """``(model, tokenizer)``: a fresh copy per test (tests may modify or convert it)."""
+    return load_model(tiny_model_dir, dtype=torch.float32)

@@ -1,0 +1,139 @@
+"""Recurrent decoding: steps equal the parallel op, prefill equals steps, the state stays constant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_llama.ops import (
+    HedgehogFeatureMap,
+    HybridState,
+    hybrid_attention,
+    hybrid_attention_step,
+    init_state,
+    prefill_state,
+)
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def inputs(B, H, T, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g) for _ in range(3)] + [torch.randn(H, generator=g) for _ in range(2)]
+
+
+def run_steps(q, k, v, wl, ll, state, mask=None, **kw):
+    outs = []
+    for t in range(q.shape[2]):
+        sl = slice(t, t + 1)
+        valid = None if mask is None else mask[:, t]
+        out, state = hybrid_attention_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, wl, ll, key_valid=valid, **kw)
+        outs.append(out)
+    return torch.cat(outs, dim=2), state
+
+
+def assert_states_equal(a: HybridState, b: HybridState):
+    assert a.seen == b.seen
+    assert torch.equal(a.window_valid, b.window_valid)
+    # Slots that hold no real key may differ (padding values are never read unmasked).
+    for x, y in ((a.k_window, b.k_window), (a.v_window, b.v_window)):
+        torch.testing.assert_close(x * a.window_valid[:, None, :, None], y * b.window_valid[:, None, :, None])
+    torch.testing.assert_close(a.S, b.S, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(a.z, b.z, atol=ATOL, rtol=RTOL)
+
+
+def hedgehog(H, D):
+    fmap = HedgehogFeatureMap(H, D)
+    with torch.no_grad():
+        fmap.weight.add_(0.3 * torch.randn(fmap.weight.shape, generator=torch.Generator().manual_seed(7)))
+    return fmap
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("T,w", [(3, 4), (4, 4), (23, 4), (40, 16)])
+def test_steps_equal_parallel_op(formulation, fmap, T, w):
+    B, H, D = 2, 3, 8
+    q, k, v, wl, ll = inputs(B, H, T, D)
+    fm = hedgehog(H, D) if fmap == "hedgehog" else "elu1"
+    F_dim = fm.out_features if fmap == "hedgehog" else D
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, : T // 2] = False  # row 1 is left-padded
+    with torch.no_grad():
+        want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", formulation=formulation,
+                                feature_map=fm, key_padding_mask=mask)
+        got, _ = run_steps(q, k, v, wl, ll, init_state(B, H, D, w, feature_dim=F_dim), mask,
+                           formulation=formulation, feature_map=fm)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("T,w", [(1, 4), (3, 4), (4, 4), (9, 4), (37, 8)])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+def test_prefill_state_equals_steps_and_continues(T, w, fmap):
+    B, H, D = 2, 2, 8
+    q, k, v, wl, ll = inputs(B, H, T + 6, D, seed=1)
+    fm = hedgehog(H, D) if fmap == "hedgehog" else "elu1"
+    F_dim = fm.out_features if fmap == "hedgehog" else D
+    mask = torch.ones(B, T + 6, dtype=torch.bool)
+    mask[0, : (T + 1) // 2] = False
+    with torch.no_grad():
+        pre = prefill_state(k[:, :, :T], v[:, :, :T], window=w, feature_map=fm, key_padding_mask=mask[:, :T])
+        _, stepped = run_steps(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll,
+                               init_state(B, H, D, w, feature_dim=F_dim), mask[:, :T], feature_map=fm)
+        assert_states_equal(pre, stepped)
+        # Decoding after a prefill equals the parallel op over the whole sequence.
+        tail, _ = run_steps(q[:, :, T:], k[:, :, T:], v[:, :, T:], wl, ll, pre, mask[:, T:], feature_map=fm)
+        full = hybrid_attention(q, k, v, wl, ll, window=w, backend="chunked", feature_map=fm, key_padding_mask=mask)
+    torch.testing.assert_close(tail, full[:, :, T:], atol=ATOL, rtol=RTOL)
+
+
+def test_state_memory_is_constant():
+    B, H, D, w = 1, 2, 8, 4
+    q, k, v, wl, ll = inputs(B, H, 100, D, seed=2)
+    shapes = set()
+    state = init_state(B, H, D, w)
+    for t in range(100):
+        _, state = hybrid_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll)
+        if t in (0, 9, 99):
+            shapes.add(tuple(tuple(x.shape) for x in (state.k_window, state.v_window, state.window_valid, state.S, state.z)))
+    long = prefill_state(torch.randn(B, H, 5000, D), torch.randn(B, H, 5000, D), window=w)
+    shapes.add(tuple(tuple(x.shape) for x in (long.k_window, long.v_window, long.window_valid, long.S, long.z)))
+    assert shapes == {((B, H, w, D), (B, H, w, D), (B, w), (B, H, D, D), (B, H, D))}
+    assert state.seen == 100 and long.seen == 5000
+    assert state.S.dtype == torch.float32 and state.z.dtype == torch.float32
+
+
+def test_step_is_functional_and_reorderable():
+    B, H, D, w = 3, 2, 8, 4
+    q, k, v, wl, ll = inputs(B, H, 7, D, seed=3)
+    state = prefill_state(k[:, :, :6], v[:, :, :6], window=w)
+    before = [x.clone() for x in (state.k_window, state.v_window, state.window_valid, state.S, state.z)]
+    out, new = hybrid_attention_step(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], state, wl, ll)
+    for old, x in zip(before, (state.k_window, state.v_window, state.window_valid, state.S, state.z)):
+        assert torch.equal(old, x)
+    assert state.seen == 6 and new.seen == 7
+    # Reordering the batch (beam search) reorders the results.
+    idx = torch.tensor([2, 0])
+    out_r, _ = hybrid_attention_step(q[idx, :, 6:], k[idx, :, 6:], v[idx, :, 6:], state.index_select(idx), wl, ll)
+    torch.testing.assert_close(out_r, out[idx])
+
+
+def test_step_gradients_match_parallel():
+    """Decoding is differentiable too (e.g. for recurrent training)."""
+    B, H, T, D, w = 1, 2, 11, 8, 4
+    q, k, v, wl, ll = (x.requires_grad_() for x in inputs(B, H, T, D, seed=4))
+    got, _ = run_steps(q, k, v, wl, ll, init_state(B, H, D, w))
+    want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference")
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    for a, b in zip(torch.autograd.grad((got * g).sum(), [q, k, v, wl, ll]),
+                    torch.autograd.grad((want * g).sum(), [q, k, v, wl, ll])):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_step_errors():
+    q, k, v, wl, ll = inputs(1, 2, 2, 8)
+    state = init_state(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"\[B, H, 1, D\]"):
+        hybrid_attention_step(q, k, v, state, wl, ll)
+    with pytest.raises(ValueError, match="formulation"):
+        hybrid_attention_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, wl, ll, formulation="x")

@@ -1,0 +1,300 @@
+"""Every torch backend of hybrid_attention against an independent, per-query O(T^2) implementation.
+
+``naive`` below is written from the math in docs/design.md one query at a time (lists of key
+indices, no masks, no chunking); it shares no code with the backends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hybrid_llama.ops as ops
+from hybrid_llama.ops import HedgehogFeatureMap, elu1, hybrid_attention
+from hybrid_llama.ops.chunked import hybrid_attention_chunked
+from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
+
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def wsum(weights, values):
+    """Per head: sum_j weights[h, j] * values[h, j, :]."""
+    return (weights[..., None] * values).sum(dim=-2)
+
+
+def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi=None, mask=None):
+    """out[b, :, t] for every (b, t), straight from the definition."""
+    phi = phi or (lambda x: F.elu(x) + 1)
+    B, H, T, D = q.shape
+    a = torch.sigmoid(window_logit)[:, None]  # [H, 1]
+    b = torch.sigmoid(linear_logit)[:, None]
+    pq, pk = phi(q), phi(k)
+    rows = []
+    for bi in range(B):
+        cols = []
+        for t in range(T):
+            real = (lambda j: True) if mask is None else (lambda j: bool(mask[bi, j]))
+            win = [j for j in range(max(0, t - window + 1), t + 1) if real(j)]
+            lin = [j for j in range(0, t - window + 1) if real(j)]
+            num = torch.zeros(H, v.shape[-1])
+            den = torch.zeros(H, 1)
+            if win:
+                s = (q[bi, :, t, None, :] * k[bi, :, win]).sum(-1) / math.sqrt(D)  # [H, |win|]
+                e = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+                if formulation == "hybrid":
+                    num = num + a * wsum(e / e.sum(-1, keepdim=True), v[bi, :, win])
+                    den = den + a
+                else:
+                    num = num + a * wsum(e, v[bi, :, win])
+                    den = den + a * e.sum(-1, keepdim=True)
+            if lin:
+                ls = (pq[bi, :, t, None, :] * pk[bi, :, lin]).sum(-1)  # [H, |lin|]
+                num = num + b * wsum(ls, v[bi, :, lin])
+                den = den + b * ls.sum(-1, keepdim=True)
+            cols.append(num / den if (win or lin) else num)
+        rows.append(torch.stack(cols, dim=1))
+    return torch.stack(rows)
+
+
+def run_chunked_small_slabs(q, k, v, wl, ll, **kw):
+    """Chunked with tiny chunks and slabs, so the state carry between slabs is exercised."""
+    w = kw["window"]
+    return hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=w, slab_size=2 * w, **kw)
+
+
+BACKENDS = {
+    "reference": lambda *a, **kw: hybrid_attention(*a, backend="reference", **kw),
+    "chunked": lambda *a, **kw: hybrid_attention(*a, backend="chunked", **kw),
+    "chunked_small_slabs": run_chunked_small_slabs,
+    "auto": lambda *a, **kw: hybrid_attention(*a, backend="auto", **kw),
+}
+
+# (B, H, T, D, window): T not a multiple of w, T < w, T = 1, T = w, small and large windows.
+SHAPES = [
+    (2, 3, 37, 16, 8),
+    (1, 2, 5, 8, 8),
+    (2, 2, 1, 8, 4),
+    (1, 2, 8, 8, 8),
+    (2, 2, 45, 8, 4),
+    (1, 2, 150, 16, 64),
+]
+
+
+def make_inputs(B, H, T, D, seed=0, kv_heads=None):
+    g = torch.Generator().manual_seed(seed)
+    kv_heads = kv_heads or H
+    q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    k = torch.randn(B, kv_heads, T, D, generator=g, requires_grad=True)
+    v = torch.randn(B, kv_heads, T, D, generator=g, requires_grad=True)
+    wl = torch.randn(H, generator=g).requires_grad_()
+    ll = torch.randn(H, generator=g).requires_grad_()
+    return q, k, v, wl, ll
+
+
+def expand(x, H):
+    """GQA: repeat each KV head for its query heads (grads flow back to the KV heads)."""
+    return x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def grads(out, leaves, seed=1):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad((out * g).sum(), leaves, allow_unused=True, materialize_grads=True)
+
+
+def assert_same(got, want):
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}T{}D{}w{}".format(*s))
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_forward_and_grads_match_naive(backend, shape, formulation):
+    B, H, T, D, w = shape
+    q, k, v, wl, ll = make_inputs(B, H, T, D)
+    leaves = [q, k, v, wl, ll]
+    want = naive(q, k, v, wl, ll, w, formulation)
+    got = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation=formulation)
+    assert got.shape == (B, H, T, D) and got.dtype == q.dtype
+    assert_same(got, want)
+    for g_got, g_want in zip(grads(got, leaves), grads(want, leaves)):
+        assert_same(g_got, g_want)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_gqa_expanded_kv(backend):
+    B, H, T, D, w = 2, 4, 29, 8, 8
+    q, k, v, wl, ll = make_inputs(B, H, T, D, kv_heads=2)
+    ke, ve = expand(k, H), expand(v, H)
+    want = naive(q, ke, ve, wl, ll, w)
+    got = BACKENDS[backend](q, ke, ve, wl, ll, window=w)
+    assert_same(got, want)
+    for g_got, g_want in zip(grads(got, [q, k, v]), grads(want, [q, k, v])):
+        assert_same(g_got, g_want)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_hedgehog_feature_map(backend, formulation):
+    B, H, T, D, w = 2, 2, 33, 8, 8
+    fmap = HedgehogFeatureMap(H, D, feature_dim=6)
+    with torch.no_grad():  # move away from the identity init so the map matters
+        fmap.weight.add_(0.3 * torch.randn(fmap.weight.shape, generator=torch.Generator().manual_seed(5)))
+    q, k, v, wl, ll = make_inputs(B, H, T, D)
+    leaves = [q, k, v, wl, ll, fmap.weight, fmap.bias]
+    want = naive(q, k, v, wl, ll, w, formulation, phi=fmap)
+    got = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation=formulation, feature_map=fmap)
+    assert_same(got, want)
+    for g_got, g_want in zip(grads(got, leaves), grads(want, leaves)):
+        assert_same(g_got, g_want)
+
+
+def test_hedgehog_map_properties():
+    fmap = HedgehogFeatureMap(3, 8)
+    x = torch.randn(2, 3, 5, 8)
+    y = fmap(x)
+    assert y.shape == (2, 3, 5, 16) and fmap.out_features == 16
+    assert (y > 0).all()
+    # Identity init: the map is softmax(x) ++ softmax(-x) before any training.
+    torch.testing.assert_close(y, torch.cat([x.softmax(-1), (-x).softmax(-1)], -1))
+    assert sum(p.numel() for p in fmap.parameters() if p.requires_grad) == 3 * 8 * 8 + 3 * 8
+    with pytest.raises(ValueError):
+        fmap(torch.randn(2, 4, 5, 8))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_key_padding_mask_matches_naive(backend, formulation):
+    """Left padding, a gap longer than the window (queries whose window is empty but whose linear
+    part is not), and a fully padded row (zeros, finite gradients)."""
+    B, H, T, D, w = 3, 2, 30, 8, 4
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=3)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :7] = False
+    mask[1, 10:17] = False
+    mask[2, :] = False
+    leaves = [q, k, v, wl, ll]
+    want = naive(q, k, v, wl, ll, w, formulation, mask=mask)
+    got = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation=formulation, key_padding_mask=mask)
+    assert_same(got, want)
+    assert (got[2] == 0).all()
+    got_grads = grads(got, leaves)
+    assert all(torch.isfinite(g).all() for g in got_grads)
+    for g_got, g_want in zip(got_grads, grads(want, leaves)):
+        assert_same(g_got, g_want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "chunked_small_slabs"])
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+@pytest.mark.parametrize("pad", [3, 11])
+def test_left_padding_equals_unpadded(backend, formulation, pad):
+    H, T, D, w = 2, 21, 8, 8
+    q, k, v, wl, ll = make_inputs(1, H, T, D, seed=4)
+    junk = torch.randn(1, H, pad, D)
+    qp, kp, vp = (torch.cat([junk, x], dim=2) for x in (q, k, v))
+    mask = torch.ones(1, pad + T, dtype=torch.bool)
+    mask[:, :pad] = False
+    plain = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation=formulation)
+    padded = BACKENDS[backend](qp, kp, vp, wl, ll, window=w, formulation=formulation, key_padding_mask=mask)
+    assert_same(padded[:, :, pad:], plain)
+
+
+def test_seed_naive_matches_naive():
+    for B, H, T, D, w in [(2, 2, 37, 8, 8), (1, 2, 5, 8, 8), (1, 2, 70, 8, 64)]:
+        q, k, v, wl, ll = make_inputs(B, H, T, D)
+        assert_same(hybrid_attention_seed_naive(q, k, v, wl, ll, window=w), naive(q, k, v, wl, ll, w))
+
+
+def test_window_only_equals_local_softmax_and_linear_off():
+    """Sanity of the semantics: with the linear part switched off the op is sliding-window softmax,
+    and for T <= w it is exactly causal softmax attention."""
+    B, H, T, D = 1, 2, 16, 8
+    q, k, v, wl, _ = make_inputs(B, H, T, D)
+    off = torch.full((H,), -1e4)  # sigmoid -> 0
+    for backend in ("reference", "chunked"):
+        got = hybrid_attention(q, k, v, wl, off, window=T, backend=backend)
+        assert_same(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_no_quadratic_or_d2_tensor_in_chunked():
+    """Chunked never allocates a tensor with O(T^2) or O(T*D^2) elements (checked on every
+    intermediate autograd saves and every op output via a dispatch-mode probe)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, H, T, D, w = 1, 1, 2048, 16, 16
+    biggest = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor):
+                    biggest.append(o.numel())
+            return out
+
+    q, k, v, wl, ll = make_inputs(B, H, T, D)
+    with Probe():
+        out = hybrid_attention_chunked(q, k, v, wl, ll, window=w)
+        out.sum().backward()
+    # O(T*D^2) would be 2048*256 = 524288 elements; the inputs themselves are T*D = 32768.
+    assert max(biggest) <= 4 * T * D
+
+
+def test_dtype_and_errors(monkeypatch):
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(1, 2, 10, 8))
+    out = hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), wl, ll, window=4)
+    assert out.dtype == torch.bfloat16
+    q16, k16, v16 = (x.bfloat16().float() for x in (q, k, v))
+    torch.testing.assert_close(out.float(), naive(q16, k16, v16, wl, ll, 4), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="backend"):
+        hybrid_attention(q, k, v, wl, ll, backend="flash")
+    with pytest.raises(ValueError, match="formulation"):
+        hybrid_attention(q, k, v, wl, ll, formulation="nope")
+    with pytest.raises(ValueError, match="HedgehogFeatureMap"):
+        hybrid_attention(q, k, v, wl, ll, feature_map="hedgehog")
+    with pytest.raises(ValueError, match="window_logit"):
+        hybrid_attention(q, k, v, wl[:1], ll)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        hybrid_attention(q, k, v, wl, ll, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))
+    # backend="triton" names the cause when the kernels cannot be loaded...
+    monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (None, "ImportError: no triton"))
+    with pytest.raises(RuntimeError, match="triton.*unavailable.*no triton"):
+        hybrid_attention(q, k, v, wl, ll, backend="triton")
+    # ...while "auto" on CPU never needs them.
+    assert_same(hybrid_attention(q, k, v, wl, ll, window=4, backend="auto"), naive(q, k, v, wl, ll, 4))
+
+
+def test_auto_falls_back_when_triton_declines(monkeypatch):
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(1, 2, 10, 8))
+    calls = []
+
+    def declines(*args, **kwargs):
+        calls.append(1)
+        raise NotImplementedError("option not supported")
+
+    monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (declines, ""))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    out = hybrid_attention(q, k, v, wl, ll, window=4, backend="auto")
+    monkeypatch.undo()
+    assert calls == [1]
+    assert_same(out, naive(q, k, v, wl, ll, 4))
+
+
+def test_elu1_is_positive():
+    x = torch.linspace(-15, 20, 101)  # (below about -17, exp(x) - 1 rounds to -1 in fp32)
+    assert (elu1(x) > 0).all()
+    torch.testing.assert_close(elu1(x), F.elu(x) + 1)
+
+
+def test_chunked_inference_path_writes_slabs_in_place():
+    """Without autograd the chunked backend fills a preallocated output slab by slab."""
+    B, H, T, D, w = 2, 2, 45, 8, 4
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, T, D, seed=6))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :9] = False
+    with torch.no_grad():
+        got = run_chunked_small_slabs(q, k, v, wl, ll, window=w, key_padding_mask=mask)
+    assert not got.requires_grad
+    assert_same(got, naive(q, k, v, wl, ll, w, mask=mask))

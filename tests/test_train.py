@@ -1,0 +1,370 @@
+"""Attention transfer, LoRA finetuning, checkpoints and stages on the tiny random model (CPU, seconds)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import hybrid_llama.models as hm
+import hybrid_llama.train.finetune as ft
+import hybrid_llama.train.transfer as tr
+from hybrid_llama.data import load_instruct, prepare_instruct_data, prepare_transfer_corpus
+from hybrid_llama.stages import load_stage
+from hybrid_llama.train.common import TRAIN_DEFAULTS, NonFiniteError, StopTraining, lr_factor
+from hybrid_llama.weights import load_model
+
+HYBRID = {"layers": [1, 3], "window": 16}
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_model_dir, shared_data_dir, tmp_path_factory):
+    """Train and held-out packed rows from disjoint fineweb-edu documents."""
+    path = shared_data_dir / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"
+    if not path.exists():
+        pytest.skip(f"shared data missing: {path}")
+    src = {"kind": "local", "path": str(path)}
+    d = tmp_path_factory.mktemp("corpus")
+    kw = dict(seq_len=64, heldout_fraction=0.2, seed=0)
+    prepare_transfer_corpus(src, tiny_model_dir, d / "train.safetensors", split="train", num_tokens=64 * 48, **kw)
+    prepare_transfer_corpus(src, tiny_model_dir, d / "heldout.safetensors", split="heldout", num_tokens=64 * 8, **kw)
+    return d
+
+
+@pytest.fixture(scope="module")
+def instruct(tiny_model_dir, shared_data_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("instruct") / "dolly.safetensors"
+    prepare_instruct_data({"kind": "local", "path": str(shared_data_dir / "dolly" / "databricks-dolly-15k.head.jsonl")},
+                          tiny_model_dir, path, max_length=96, val_fraction=0.25, max_examples=40, seed=0)
+    return path
+
+
+def _transfer_cfg(**kw):
+    return {"progress": False, "lr": 3e-4, "logits_lr": 0.3, "batch_size": 4, "epochs": 2, "eval_sequences": 0,
+            "checkpoint_every": 0, **kw}
+
+
+@pytest.fixture(scope="module")
+def transferred(tiny_model_dir, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("transfer")
+    seen = {}
+    orig = tr.load_base
+
+    def spy(*a, **k):  # keep a handle on the in-memory teacher to check it after training
+        seen["teacher"] = orig(*a, **k)[0]
+        return seen["teacher"], None
+
+    tr.load_base = spy
+    try:
+        m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID,
+                            _transfer_cfg(eval_path=str(corpus / "heldout.safetensors")), out)
+    finally:
+        tr.load_base = orig
+    return out, m, seen["teacher"]
+
+
+def test_transfer_lowers_heldout_mse(transferred):
+    out, m, _ = transferred
+    assert set(m["mse_before"]) == set(m["mse_after"]) == {"1", "3"}
+    for layer in ("1", "3"):
+        assert m["mse_after"][layer] < 0.8 * m["mse_before"][layer], m
+    assert m["eval_sequences"] == 8 and m["train_sequences"] == 48
+    rows = list(csv.DictReader(open(out / "loss.csv")))
+    assert {r["layer"] for r in rows} == {"1", "3"} and len(rows) == 2 * m["steps"] == 2 * 24
+    assert m["tokens_per_s"] > 0 and m["wall_time_s"] > 0
+
+
+def test_transfer_mse_matches_independent_computation(tiny_model_dir, transferred, corpus):
+    """Held-out MSE recomputed from the saved file with the full hybrid model and plain hooks."""
+    out, m, _ = transferred
+    from hybrid_llama.data import load_packed
+
+    rows = load_packed(corpus / "heldout.safetensors")
+    base, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    hyb, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    hm.load_hybrid_layers(hyb, out / "hybrid_layers.safetensors", hm.HybridConfig(**HYBRID))
+    caught = {}
+
+    def grab(name):
+        def hook(mod, args, kwargs, output):
+            caught[name] = (kwargs, output[0])
+        return hook
+
+    for i in HYBRID["layers"]:
+        base.model.layers[i].self_attn.register_forward_hook(grab(i), with_kwargs=True)
+    with torch.no_grad():
+        base(input_ids=rows, use_cache=False)
+        for i in HYBRID["layers"]:
+            kwargs, target = caught[i]
+            y = hyb.model.layers[i].self_attn(
+                hidden_states=kwargs["hidden_states"], position_embeddings=kwargs["position_embeddings"],
+                attention_mask=kwargs["attention_mask"])[0]
+            assert F.mse_loss(y, target).item() == pytest.approx(m["mse_after"][str(i)], rel=1e-4)
+
+
+def test_transfer_teacher_bit_identical_and_file_holds_hybrid_layers_only(tiny_model_dir, transferred):
+    out, _, teacher = transferred
+    fresh, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    ref = fresh.state_dict()
+    got = teacher.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    saved = load_file(str(out / "hybrid_layers.safetensors"))
+    hyb, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    hm.convert_to_hybrid(hyb, **HYBRID)
+    assert set(saved) == set(hm.hybrid_parameter_names(hyb))
+    # q/k/v/o trained (default trainable = logits + qkvo): they moved away from the teacher's.
+    for i in HYBRID["layers"]:
+        for p in PROJ:
+            k = f"model.layers.{i}.self_attn.{p}.weight"
+            assert not torch.equal(saved[k], ref[k]), k
+        assert saved[f"model.layers.{i}.self_attn.mixing.window_logit"].abs().sum() > 0
+
+
+def test_transfer_logits_only_keeps_qkvo(tiny_model_dir, corpus, tmp_path):
+    m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID,
+                        _transfer_cfg(trainable="logits", epochs=1, max_steps=3, eval_sequences=2), tmp_path)
+    assert m["num_trainable_params"] == 2 * 2 * 4  # 2 layers x (window, linear) x 4 heads
+    saved = load_file(str(tmp_path / "hybrid_layers.safetensors"))
+    fresh, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    for i in HYBRID["layers"]:
+        for p in PROJ:
+            k = f"model.layers.{i}.self_attn.{p}.weight"
+            assert torch.equal(saved[k], fresh.state_dict()[k])
+
+
+def _read(path):
+    return path.read_text()
+
+
+def test_transfer_kill_and_resume_equals_uninterrupted(tiny_model_dir, corpus, tmp_path):
+    cfg = _transfer_cfg(epochs=1, max_steps=7, checkpoint_every=2, eval_sequences=2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, a)
+
+    def kill(step, logs):
+        if step == 5:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, b, callback=kill)
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    steps_run = []
+    mb = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, b,
+                         callback=lambda s, _: steps_run.append(s))
+    assert mb["resumed_from_step"] == 4 and steps_run == [5, 6, 7]
+    ta, tb = load_file(str(a / "hybrid_layers.safetensors")), load_file(str(b / "hybrid_layers.safetensors"))
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    assert _read(a / "loss.csv") == _read(b / "loss.csv")  # no step logged twice
+    ma = json.loads(_read(a / "metrics.json"))
+    assert ma["mse_after"] == mb["mse_after"]
+
+
+@pytest.mark.parametrize(
+    "poison,pattern",
+    [  # NaN weights make the layer's loss NaN; a NaN logit only reaches the gradient (the op zeroes such rows)
+        ("o_proj.weight", r"non-finite loss at step 1 in layer 3"),
+        ("mixing.linear_logit", r"non-finite gradient at step 1 in model\.layers\.3\.self_attn\."),
+    ],
+)
+def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, monkeypatch, poison, pattern):
+    orig = hm.make_hybrid_attention
+
+    def poisoned(attn, cfg):
+        new = orig(attn, cfg)
+        if attn.layer_idx == 3:
+            with torch.no_grad():
+                new.get_parameter(poison).fill_(float("nan"))
+        return new
+
+    monkeypatch.setattr(hm, "make_hybrid_attention", poisoned)
+    with pytest.raises(NonFiniteError, match=pattern):
+        tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, _transfer_cfg(eval_sequences=2), tmp_path)
+
+
+def test_lr_schedule_shape():
+    cfg = {**TRAIN_DEFAULTS, "warmup_ratio": 0.1, "min_lr_ratio": 0.1}
+    f = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert f[-1] == pytest.approx(0.1) and all(x >= y for x, y in zip(f[9:], f[10:]))
+
+
+# ----------------------------------------------------------------------------------------- LoRA
+
+
+def _lora_cfg(**kw):
+    return {"progress": False, "lr": 1e-3, "batch_size": 8, "epochs": 2, "checkpoint_every": 0, **kw}
+
+
+@pytest.fixture(scope="module")
+def finetuned(tiny_model_dir, transferred, instruct, tmp_path_factory):
+    tdir = transferred[0]
+    out = tmp_path_factory.mktemp("lora")
+    seen = {}
+    orig = peft.get_peft_model
+
+    def spy(*a, **k):
+        seen["model"] = orig(*a, **k)
+        return seen["model"]
+
+    peft.get_peft_model = spy
+    try:
+        m = ft.run_finetune(tiny_model_dir, instruct, _lora_cfg(), out, hybrid=HYBRID,
+                            hybrid_layers=tdir / "hybrid_layers.safetensors")
+    finally:
+        peft.get_peft_model = orig
+    return out, m, seen["model"], tdir / "hybrid_layers.safetensors"
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".original_module", "")
+
+
+def test_lora_touches_only_hybrid_qkvo_and_logits(tiny_model_dir, finetuned):
+    out, m, trained, hl = finetuned
+    fresh, _ = load_stage(tiny_model_dir, "transfer", hybrid=HYBRID, hybrid_layers=hl)
+    ref = dict(fresh.named_parameters())
+    pattern = re.compile(
+        r"base_model\.model\.model\.layers\.([13])\.self_attn\."
+        r"((q|k|v|o)_proj\.lora_[AB]\.default\.weight|mixing\.modules_to_save\.default\.(window|linear)_logit)$")
+    trainable = [n for n, p in trained.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * (4 * 2 + 2)
+    for n, p in trained.named_parameters():
+        if p.requires_grad:
+            assert pattern.match(n), n
+        else:  # every frozen parameter, including the pre-LoRA copy of the logits, is bit-identical
+            assert torch.equal(p, ref[_strip(n)]), n
+    # The merged model differs from the transfer model exactly at hybrid q/k/v/o and the logits.
+    merged, _ = load_stage(tiny_model_dir, "transfer_lora", hybrid=HYBRID, hybrid_layers=hl, adapter=out)
+    changed = {n for n, p in merged.named_parameters() if not torch.equal(p, ref[n])}
+    expect = {f"model.layers.{i}.self_attn.{p}.weight" for i in (1, 3) for p in PROJ}
+    expect |= {f"model.layers.{i}.self_attn.mixing.{k}_logit" for i in (1, 3) for k in ("window", "linear")}
+    assert changed == expect
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(cfg["target_modules"]) == sorted(f"model.layers.{i}.self_attn.{p}" for i in (1, 3) for p in PROJ)
+
+
+def test_lora_adapter_round_trips(tiny_model_dir, finetuned, instruct):
+    out, m, trained, hl = finetuned
+    base, _ = load_stage(tiny_model_dir, "transfer", hybrid=HYBRID, hybrid_layers=hl)
+    reloaded = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    trained.eval()
+    batch = load_instruct(instruct, "val")
+    with torch.no_grad():
+        a = trained(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        b = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(a, b)
+    merged, _ = load_stage(tiny_model_dir, "transfer_lora", hybrid=HYBRID, hybrid_layers=hl, adapter=out)
+    with torch.no_grad():
+        c = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_val_loss_before_is_token_mean_and_drops(tiny_model_dir, finetuned, instruct):
+    out, m, _, hl = finetuned
+    base, _ = load_stage(tiny_model_dir, "transfer", hybrid=HYBRID, hybrid_layers=hl)
+    val = load_instruct(instruct, "val")
+    with torch.no_grad():  # one batch with every val row: HF's loss is then the token-weighted mean
+        ref = base(input_ids=val["input_ids"], attention_mask=val["attention_mask"], labels=val["labels"]).loss
+    assert m["val_loss_before"] == pytest.approx(float(ref), rel=1e-5)
+    assert len(m["val_loss_per_epoch"]) == 2 and m["val_loss_after"] < m["val_loss_before"]
+    rows = list(csv.DictReader(open(out / "loss.csv")))
+    val_rows = [(int(r["step"]), float(r["loss"])) for r in rows if r["split"] == "val"]
+    assert [s for s, _ in val_rows] == [0, m["steps"] // 2, m["steps"]]
+    assert sum(r["split"] == "train" for r in rows) == m["steps"]
+
+
+def test_lora_kill_and_resume_equals_uninterrupted(tiny_model_dir, instruct, tmp_path):
+    cfg = _lora_cfg(checkpoint_every=2, batch_size=4, dropout=0.1)  # dropout: the RNG state must resume too
+    a, b = tmp_path / "a", tmp_path / "b"
+    ma = ft.run_finetune(tiny_model_dir, instruct, cfg, a, hybrid=HYBRID)
+
+    def kill(step, logs):
+        if step == ma["steps"] // 2 + 1:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        ft.run_finetune(tiny_model_dir, instruct, cfg, b, hybrid=HYBRID, callback=kill)
+    mb = ft.run_finetune(tiny_model_dir, instruct, cfg, b, hybrid=HYBRID)
+    assert 0 < mb["resumed_from_step"] < ma["steps"]
+    ta, tb = load_file(str(a / "adapter_model.safetensors")), load_file(str(b / "adapter_model.safetensors"))
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    assert _read(a / "loss.csv") == _read(b / "loss.csv")
+    assert ma["val_loss_per_epoch"] == mb["val_loss_per_epoch"]
+
+
+def test_lora_nan_names_step_and_layer(tiny_model_dir, instruct, tmp_path, monkeypatch):
+    orig = ft.load_base
+
+    def poisoned(*a, **k):
+        model, tok = orig(*a, **k)
+        with torch.no_grad():
+            model.model.layers[2].mlp.down_proj.weight.fill_(float("inf"))
+        return model, tok
+
+    monkeypatch.setattr(ft, "load_base", poisoned)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 1 in layer 2"):
+        ft.run_finetune(tiny_model_dir, instruct, _lora_cfg(), tmp_path, hybrid=HYBRID)
+
+
+def test_base_lora_control_and_stages(tiny_model_dir, instruct, tmp_path):
+    m = ft.run_finetune(tiny_model_dir, instruct, _lora_cfg(epochs=1, max_steps=2), tmp_path)
+    assert m["modules_to_save"] == [] and len(m["target_modules"]) == 4 * 4  # all layers, no logits
+    merged, tok = load_stage(tiny_model_dir, "base_lora", adapter=tmp_path)
+    kept, _ = load_stage(tiny_model_dir, "base_lora", adapter=tmp_path, merge=False)
+    assert isinstance(kept, peft.PeftModel) and not isinstance(merged, peft.PeftModel)
+    ids = tok("hello world", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, kept(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs hybrid"):
+        load_stage(tiny_model_dir, "transfer")
+    with pytest.raises(ValueError, match="unknown keys"):
+        ft.run_finetune(tiny_model_dir, instruct, {"rank": 4}, tmp_path)
+
+
+def test_transfer_hedgehog_trains_feature_map_and_round_trips(tiny_model_dir, corpus, tmp_path):
+    hyb = {**HYBRID, "feature_map": "hedgehog"}
+    m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", hyb,
+                        _transfer_cfg(epochs=1, max_steps=3, eval_sequences=2), tmp_path)
+    assert m["trainable"] == ["feature_map", "k_proj", "mixing", "o_proj", "q_proj", "v_proj"]
+    saved = load_file(str(tmp_path / "hybrid_layers.safetensors"))
+    assert not torch.equal(saved["model.layers.1.self_attn.feature_map.weight"],
+                           torch.eye(16).expand(4, 16, 16))  # identity at init, trained since
+    model, _ = load_stage(tiny_model_dir, "transfer", hybrid=hyb, hybrid_layers=tmp_path / "hybrid_layers.safetensors")
+    got = dict(model.named_parameters())
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_grad_accumulation_matches_big_batch(tiny_model_dir, corpus, tmp_path):
+    # Rows of step k are the same either way; the mean of two half-batch MSEs is the full-batch MSE.
+    cfg = _transfer_cfg(epochs=1, max_steps=4, eval_sequences=2)
+    tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, {**cfg, "batch_size": 4}, tmp_path / "a")
+    tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, {**cfg, "batch_size": 2, "grad_accum": 2},
+                    tmp_path / "b")
+    ta = load_file(str(tmp_path / "a" / "hybrid_layers.safetensors"))
+    tb = load_file(str(tmp_path / "b" / "hybrid_layers.safetensors"))
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], atol=1e-5, rtol=1e-4)
+    la = list(csv.DictReader(open(tmp_path / "a" / "loss.csv")))
+    lb = list(csv.DictReader(open(tmp_path / "b" / "loss.csv")))
+    assert [float(r["mse"]) for r in la] == pytest.approx([float(r["mse"]) for r in lb], rel=1e-4)
+
+
+def test_resume_refuses_checkpoint_of_another_run_length(tiny_model_dir, corpus, tmp_path):
+    cfg = _transfer_cfg(epochs=1, max_steps=2, checkpoint_every=1, eval_sequences=2)
+    tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, tmp_path)
+    with pytest.raises(ValueError, match="checkpoint of a run with 2 steps, this run has 3"):
+        tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, {**cfg, "max_steps": 3}, tmp_path)

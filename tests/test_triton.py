@@ -1,0 +1,293 @@
+"""The `triton` backend (prefill forward/backward, decode step) against an independent naive op.
+
+Without CUDA the kernels run in triton's interpreter. TRITON_INTERPRET is read when a kernel is
+decorated, i.e. when ``hybrid_llama.ops.triton_*`` is first imported, so it is set here before
+those imports; if another test module imported them earlier in the same process, the CPU tests are
+skipped with that reason (run this file in its own pytest process, as tests/run.sh does).
+The interpreter computes bf16 ``tl.dot`` wrongly, so bf16 is only tested on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+_PREIMPORTED = any(m in sys.modules for m in ("hybrid_llama.ops.triton_prefill", "hybrid_llama.ops.triton_decode"))
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from hybrid_llama.ops import hybrid_attention, hybrid_attention_step, init_state, prefill_state  # noqa: E402
+from hybrid_llama.ops.decode import hybrid_attention_step_torch  # noqa: E402
+from hybrid_llama.ops.triton_decode import hybrid_attention_step_triton  # noqa: E402
+from hybrid_llama.ops.triton_prefill import _fwd_kernel, hybrid_attention_triton  # noqa: E402
+
+if not HAS_CUDA and (_PREIMPORTED or type(_fwd_kernel).__name__ != "InterpretedFunction"):
+    pytest.skip(
+        "triton kernels were imported before TRITON_INTERPRET=1 was set (another test module imported "
+        "hybrid_llama.ops.triton_*); run `TRITON_INTERPRET=1 pytest tests/test_triton.py` in its own process",
+        allow_module_level=True,
+    )
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+# ----------------------------------------------------------------------------- independent naive op
+
+
+def naive_hybrid(q, k, v, window_logit, linear_logit, window, formulation="hybrid", mask=None):
+    """O(T^2) masked transcription of docs/design.md "ops", in float64; k/v may hold KV heads."""
+    q, k, v = q.double(), k.double(), v.double()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    T, D = q.shape[2], q.shape[3]
+    t = torch.arange(T, device=q.device)[:, None]
+    j = torch.arange(T, device=q.device)[None, :]
+    win = ((j <= t) & (j >= t - window + 1))[None, None]
+    lin = (j <= t - window)[None, None]
+    if mask is not None:
+        win = win & mask[:, None, None, :]
+        lin = lin & mask[:, None, None, :]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(~win, float("-inf"))
+    mx = s.amax(-1, keepdim=True)
+    mx = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+    e = torch.exp(s - mx)
+    e_sum = e.sum(-1, keepdim=True)
+
+    def phi(x):
+        return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+
+    A = (phi(q) @ phi(k).transpose(-1, -2)) * lin
+    a = torch.sigmoid(window_logit.double())[None, :, None, None]
+    b = torch.sigmoid(linear_logit.double())[None, :, None, None]
+    present = e_sum > 0
+    if formulation == "hybrid":
+        num = a * (e @ v) / torch.where(present, e_sum, torch.ones_like(e_sum)) + b * (A @ v)
+        den = a * present + b * A.sum(-1, keepdim=True)
+    else:
+        num = a * (e @ v) + b * (A @ v)
+        den = a * e_sum + b * A.sum(-1, keepdim=True)
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def make_inputs(B, H, HKV, T, D, dtype, seed=0, logit_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, HKV, HKV))
+    wl, ll = torch.randn(H, generator=g) * logit_scale, torch.randn(H, generator=g) * logit_scale
+    q, k, v = (x.to(DEV, dtype).requires_grad_() for x in (q, k, v))
+    wl, ll = (x.to(DEV).requires_grad_() for x in (wl, ll))
+    return q, k, v, wl, ll
+
+
+def check_op(T, D, window, *, H=4, HKV=2, B=1, dtype=torch.float32, formulation="hybrid", mask_p=None,
+             block=None, tol=None, seed=0):
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, dtype, seed)
+    mask = None
+    if mask_p is not None:
+        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
+        mask[0, : min(T, 3)] = False  # leading padding: queries with an empty window (zeros out)
+        mask = mask.to(DEV)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=window, formulation=formulation,
+                                  key_padding_mask=mask, block_size=block)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = naive_hybrid(q, k, v, wl, ll, window, formulation, mask)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
+    grads = torch.autograd.grad(out, (q, k, v, wl, ll), dout.to(dtype))
+    ref_grads = torch.autograd.grad(ref, (q, k, v, wl, ll), dout.double())
+    atol, rtol = tol or ((2e-5, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2))
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    for name, got, want in zip(("dq", "dk", "dv", "dwindow_logit", "dlinear_logit"), grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        # Logit gradients sum over all positions: compare relative to their scale.
+        scale = max(1.0, want.abs().max().item()) if name.startswith("dw") or name.startswith("dl") else 1.0
+        torch.testing.assert_close(got.double(), want.double(), atol=atol * scale * 4, rtol=rtol * 4, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------------------- prefill
+
+# (T, D, window, block, formulation, padding probability). GQA H=4 over 2 KV heads throughout.
+FP32_CASES = [
+    (1, 16, 64, None, "hybrid", None),
+    (7, 64, 16, None, "hybrid", None),
+    (63, 16, 64, None, "hybrid", None),
+    (64, 16, 16, None, "hybrid", None),
+    (65, 64, 64, None, "hybrid", None),
+    (200, 16, 64, None, "hybrid", None),
+    (200, 16, 16, None, "hybrid", None),  # window < block
+    (200, 16, 48, 32, "hybrid", None),  # window not a multiple of the block: 3 key blocks
+    (150, 16, 16, 16, "hybrid", 0.3),  # padding
+    (200, 16, 64, None, "lolcats", None),
+    (130, 16, 20, 16, "lolcats", 0.3),
+    (7, 16, 64, None, "lolcats", None),
+    (40, 128, 16, None, "hybrid", None),  # D = 128 (default block 32)
+    (33, 32, 8, None, "lolcats", None),
+]
+
+
+@pytest.mark.parametrize("T,D,window,block,formulation,mask_p", FP32_CASES)
+def test_prefill_fp32(T, D, window, block, formulation, mask_p):
+    check_op(T, D, window, block=block, formulation=formulation, mask_p=mask_p)
+
+
+def test_prefill_fp32_d64_long():
+    check_op(200, 64, 64, B=2, H=2, HKV=1)
+
+
+@pytest.mark.parametrize(
+    "T,D,window,formulation", [(65, 64, 16, "hybrid"), (200, 16, 64, "hybrid"), (130, 16, 64, "lolcats")]
+)
+def test_prefill_fp16(T, D, window, formulation):
+    check_op(T, D, window, dtype=torch.float16, formulation=formulation)
+
+
+def test_matches_reference_backend_through_dispatcher():
+    """Expanded k/v (H_kv = H) through ``hybrid_attention(backend="triton")`` vs the `reference` backend."""
+    q, k, v, wl, ll = make_inputs(2, 2, 2, 70, 16, torch.float32, seed=3, logit_scale=3.0)
+    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton")
+    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference")
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    g = torch.autograd.grad(out.square().sum(), (q, k, v, wl, ll))
+    rg = torch.autograd.grad(ref.square().sum(), (q, k, v, wl, ll))
+    for got, want in zip(g, rg):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_options_raise_not_implemented():
+    q, k, v, wl, ll = make_inputs(1, 2, 2, 8, 16, torch.float32)
+    with pytest.raises(NotImplementedError):
+        hybrid_attention_triton(q, k, v, wl, ll, window=4, feature_map=lambda x: x.exp())
+    q24, k24, v24, _, _ = make_inputs(1, 2, 2, 8, 24, torch.float32)
+    with pytest.raises(NotImplementedError):
+        hybrid_attention_triton(q24, k24, v24, wl, ll, window=4)
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("formulation,window,pad", [("hybrid", 8, False), ("lolcats", 6, True)])
+def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad):
+    B, H, HKV, T, D = 2, 4, 2, 21, 16
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.float32, seed=5))
+    valid = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    if pad:
+        valid[1, :4] = False  # left padding of row 1
+        valid[0, 9] = False
+    rep = H // HKV
+    st = init_state(B, HKV, D, window, device=DEV)
+    st_torch = init_state(B, H, D, window, device=DEV)
+    outs = []
+    for t in range(T):
+        sl = slice(t, t + 1)
+        o, st = hybrid_attention_step_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll,
+                                             formulation=formulation, key_valid=valid[:, t], inplace=t % 2 == 1)
+        ke, ve = k[:, :, sl].repeat_interleave(rep, 1), v[:, :, sl].repeat_interleave(rep, 1)
+        o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], ke, ve, st_torch, wl, ll,
+                                                    formulation=formulation, key_valid=valid[:, t])
+        torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
+        outs.append(o)
+    assert st.seen == T
+    torch.testing.assert_close(st.S, st_torch.S[:, ::rep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.z, st_torch.z[:, ::rep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.k_window, st_torch.k_window[:, ::rep])
+    assert torch.equal(st.window_valid, st_torch.window_valid)
+    pre = prefill_state(k, v, window=window, key_padding_mask=valid)
+    torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
+    par = hybrid_attention_triton(q, k, v, wl, ll, window=window, formulation=formulation, key_padding_mask=valid)
+    torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
+    naive = naive_hybrid(q, k, v, wl, ll, window, formulation, valid).float()
+    torch.testing.assert_close(par, naive, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_is_functional_by_default():
+    B, H, D, w = 1, 2, 16, 4
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, H, 6, D, torch.float32, seed=7))
+    st = prefill_state(k[:, :, :5], v[:, :, :5], window=w)
+    before = [x.clone() for x in (st.k_window, st.v_window, st.window_valid, st.S, st.z)]
+    _, new = hybrid_attention_step(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], st, wl, ll, backend="triton")
+    for old, now in zip(before, (st.k_window, st.v_window, st.window_valid, st.S, st.z)):
+        assert torch.equal(old, now)
+    assert st.seen == 5 and new.seen == 6 and not torch.equal(new.S, st.S)
+
+
+def test_decode_step_with_grad_falls_back_to_torch():
+    """The kernel has no backward: with grad it raises NotImplementedError and the dispatcher uses torch."""
+    B, H, D, w = 1, 2, 16, 4
+    q, k, v, wl, ll = make_inputs(B, H, H, 3, D, torch.float32, seed=8)
+    st = init_state(B, H, D, w, device=DEV)
+    with pytest.raises(NotImplementedError):
+        hybrid_attention_step_triton(q[:, :, :1], k[:, :, :1], v[:, :, :1], st, wl, ll)
+    out, _ = hybrid_attention_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], st, wl, ll)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# ------------------------------------------------------------------------------------ GPU only
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4096, 32768])
+def test_gpu_bf16_long_vs_chunked(T):
+    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+
+    B, H, HKV, D = 1, 32, 8, 64
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=11)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64)
+    rep = H // HKV
+    with torch.no_grad():
+        ref = hybrid_attention_chunked(q.float(), k.float().repeat_interleave(rep, 1),
+                                       v.float().repeat_interleave(rep, 1), wl, ll, window=64)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    out.float().square().sum().backward()  # runs and is finite at full size
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_gpu_fp32_grads_vs_chunked(formulation):
+    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+
+    B, H, HKV, T, D = 2, 8, 2, 1000, 64
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=12)
+    mask = torch.rand(B, T, device=DEV) > 0.1
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)
+    rep = H // HKV
+    ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    ref = hybrid_attention_chunked(q, ke, ve, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    dout = torch.randn_like(out)
+    g = torch.autograd.grad(out, (q, k, v, wl, ll), dout)
+    rg = torch.autograd.grad(ref, (q, k, v, wl, ll), dout)
+    for got, want in zip(g, rg):
+        torch.testing.assert_close(got, want, atol=1e-3 * max(1.0, want.abs().max().item()), rtol=1e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_bf16_fp16_small_vs_naive():
+    for dtype in (torch.bfloat16, torch.float16):
+        check_op(300, 64, 64, dtype=dtype, tol=(3e-2, 3e-2))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_bf16_matches_torch_step():
+    B, H, HKV, D, w, T = 4, 32, 8, 64, 64, 150
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=13))
+    st = prefill_state(k[:, :, : T - 1], v[:, :, : T - 1], window=w)
+    o, new = hybrid_attention_step_triton(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, wl, ll)
+    rep = H // HKV
+    st_e = prefill_state(k[:, :, : T - 1].repeat_interleave(rep, 1), v[:, :, : T - 1].repeat_interleave(rep, 1), window=w)
+    o_t, _ = hybrid_attention_step_torch(q[:, :, -1:], k[:, :, -1:].repeat_interleave(rep, 1),
+                                         v[:, :, -1:].repeat_interleave(rep, 1), st_e, wl, ll)
+    torch.testing.assert_close(o.float(), o_t.float(), atol=2e-2, rtol=2e-2)
