@@ -207,6 +207,21 @@ def test_seed_naive_matches_naive():
         assert_same(hybrid_attention_seed_naive(q, k, v, wl, ll, window=w), naive(q, k, v, wl, ll, w))
 
 
+def test_seed_naive_through_dispatcher():
+    q, k, v, wl, ll = make_inputs(1, 2, 40, 8)
+    assert_same(hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive"), naive(q, k, v, wl, ll, 8))
+    with pytest.raises(ValueError, match="seed_naive"):
+        hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive", formulation="lolcats")
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_chunked_window_longer_than_sequence(formulation):
+    """w >= T: the op is causal softmax over the prefix; chunked must not pay for the full window."""
+    q, k, v, wl, ll = make_inputs(2, 2, 30, 8)
+    got = hybrid_attention_chunked(q, k, v, wl, ll, window=4096, formulation=formulation)
+    assert_same(got, naive(q, k, v, wl, ll, 4096, formulation))
+
+
 def test_window_only_equals_local_softmax_and_linear_off():
     """Sanity of the semantics: with the linear part switched off the op is sliding-window softmax,
     and for T <= w it is exactly causal softmax attention."""

@@ -8,8 +8,10 @@ Public API (contract in docs/design.md, section "ops"):
 - ``prefill_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
 
 Backends: ``reference`` (readable, O(T^2)), ``chunked`` (pure PyTorch, O(T*w*D + T*D^2)),
-``triton`` (CUDA kernels, loaded lazily from ``triton_prefill`` / ``triton_decode``), and ``auto``
-(triton on CUDA when it imports and supports the options, else chunked).
+``triton`` (CUDA kernels, loaded lazily from ``triton_prefill`` / ``triton_decode``), ``auto``
+(triton on CUDA when it imports and supports the options, else chunked), and ``seed_naive`` (the
+published recreation's O(T*D^2)-memory style, a benchmark baseline: prefill only, elu1 + hybrid
+formulation without padding; its decode step is the torch step).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ __all__ = [
     "BACKENDS",
 ]
 
-BACKENDS = ("auto", "reference", "chunked", "triton")
+BACKENDS = ("auto", "reference", "chunked", "triton", "seed_naive")
 
 
 def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
@@ -65,6 +67,12 @@ def hybrid_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
+    if backend == "seed_naive":
+        if formulation != "hybrid" or feature_map != "elu1" or key_padding_mask is not None:
+            raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
+        from .seed_naive import hybrid_attention_seed_naive
+
+        return hybrid_attention_seed_naive(q, k, v, window_logit, linear_logit, window=window)
     if backend in ("triton", "auto") and (backend == "triton" or q.is_cuda):
         fn, why = _load_triton("triton_prefill", "hybrid_attention_triton")
         if fn is None:
@@ -98,8 +106,8 @@ def hybrid_attention_step(
     """One decode step: q, k, v ``[B, H, 1, D]``; returns (out ``[B, H, 1, D]``, new state).
 
     ``key_valid``: ``[B]`` bool, False marks the new token as padding. Backends: ``auto`` (triton on
-    CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` (all the torch step),
-    ``triton``.
+    CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` / ``seed_naive`` (all
+    the torch step: the recreation had no recurrent decode), ``triton``.
     """
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
     if backend not in BACKENDS + ("torch",):

@@ -1,0 +1,298 @@
+"""Benchmark the hybrid attention op on CPU: time and peak memory per backend, plus decode steps.
+
+    python benchmarks/bench_ops.py                      # T = 2^10 .. 2^15, B=1, H=9, D=64, fp32
+    python benchmarks/bench_ops.py --tmin 10 --tmax 13 --threads 2 --mem-budget-gb 4
+
+Every (backend, T) case runs in a fresh subprocess so that memory is measured alone:
+- peak memory = the process's resident-set high-water mark (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` just before the call) minus the resident set right before the call,
+  i.e. the extra RAM the forward needed at its peak, the output included. The inputs are
+  allocated before; a warm-up call on a small T runs first so that paging in library code and
+  starting thread pools are not counted, and freed heap is returned (``malloc_trim``);
+- time = median wall time of the following calls (forward only, ``torch.no_grad``); the first
+  call is the memory measurement and serves as warm-up. The process CPU time of the same calls is
+  recorded too: on a shared machine it is less sensitive to other processes than wall time.
+A case is skipped (with the reason printed) when its estimated memory exceeds ``--mem-budget-gb``
+or when the previous T of the same backend took longer than ``--max-call-s``.
+
+Decode: states are prefilled with a context of 1K and of 32K tokens, then
+``hybrid_attention_step`` is timed over ``--decode-steps`` tokens each (median per step; the
+contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
+KV-cache step (SDPA of one query over the whole context, cache not grown) is timed alongside for
+contrast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+BACKENDS = ("chunked", "reference", "sdpa", "seed_naive")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", fh.read(), re.M).group(1))
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: nothing to trim
+        pass
+
+
+def estimate_bytes(backend: str, B: int, H: int, T: int, D: int, window: int) -> float:
+    """Rough peak of each backend (fp32), used only to skip cases that cannot fit."""
+    if backend == "reference":  # several [B, H, T, T] tensors alive at once
+        return 6 * 4.0 * B * H * T * T
+    if backend == "seed_naive":  # phi(k) v^T per position and its cumsum: [B, H, T, D, D] twice
+        return 2.5 * 4.0 * B * H * T * D * D
+    return 12 * 4.0 * B * H * T * (D + window)  # chunked / sdpa: a few tensors of size T*D
+
+
+def run_case(backend: str, B: int, H: int, T: int, D: int, window: int, threads: int, max_call_s: float) -> dict:
+    """Runs inside the child process."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybrid_llama.ops import hybrid_attention
+    from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+
+    def make(T):
+        q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+        wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+        return {
+            "chunked": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="chunked"),
+            "reference": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="reference"),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "seed_naive": lambda: hybrid_attention_seed_naive(q, k, v, wl, ll, window=window),
+        }[backend]
+
+    with torch.no_grad():
+        # Warm up on a small input first: the first call pages in library code and starts thread
+        # pools, which would otherwise count as the op's memory. Then hand freed heap back.
+        make(min(T, 4 * window))()
+        gc.collect()
+        _malloc_trim()
+        fn = make(T)
+        rss0 = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the high-water mark to the current resident set
+        t0 = time.perf_counter()
+        out = fn()
+        first = time.perf_counter() - t0
+        peak_kb = _status_kb("VmHWM") - rss0
+        del out
+        reps = max(1, min(5, int(max_call_s * 2 / max(first, 1e-3))))
+        times, cpu = [], []
+        for _ in range(reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return {
+        "ms": 1000 * statistics.median(times),
+        "min_ms": 1000 * min(times),
+        "cpu_ms": 1000 * statistics.median(cpu),
+        "reps": reps,
+        "peak_mb": peak_kb / 1024,
+        "first_ms": 1000 * first,
+    }
+
+
+def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: int, threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from hybrid_llama.ops import hybrid_attention_step, prefill_state
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    res = {}
+    with torch.no_grad():
+        states, caches = {}, {}
+        for ctx in contexts:
+            k, v = (torch.randn(B, H, ctx, D, generator=g) for _ in range(2))
+            states[ctx] = prefill_state(k, v, window=window)
+            caches[ctx] = (k, v)
+        times = {ctx: [] for ctx in contexts}
+        sdpa = {ctx: [] for ctx in contexts}
+        # Interleave the contexts in rounds of 10 steps so that load drift on a shared machine
+        # hits all of them alike; the first round is warm-up.
+        for rnd in range(steps // 10 + 1):
+            for ctx in contexts:
+                for _ in range(10):
+                    qt, kt, vt = torch.randn(3, B, H, 1, D, generator=g)
+                    t0 = time.perf_counter()
+                    _, states[ctx] = hybrid_attention_step(qt, kt, vt, states[ctx], wl, ll, backend="torch")
+                    if rnd:
+                        times[ctx].append(time.perf_counter() - t0)
+        # The softmax steps run apart: streaming a 150 MB cache would evict the hybrid state's
+        # cache lines and skew the comparison between contexts.
+        for ctx in contexts:
+            for i in range(steps + 10):
+                qt = torch.randn(B, H, 1, D, generator=g)
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(qt, *caches[ctx])
+                if i >= 10:
+                    sdpa[ctx].append(time.perf_counter() - t0)
+        for ctx in contexts:
+            state, (k, _) = states[ctx], caches[ctx]
+            state_bytes = sum(x.numel() * x.element_size() for x in (state.k_window, state.v_window, state.S, state.z))
+            res[ctx] = {
+                "step_us": 1e6 * statistics.median(times[ctx]),
+                "sdpa_us": 1e6 * statistics.median(sdpa[ctx]),
+                "state_kb": state_bytes / 1024,
+                "kv_cache_kb": 2 * k.numel() * k.element_size() / 1024,
+            }
+    return res
+
+
+def child(argv: list[str]) -> None:
+    kind, payload = argv[0], json.loads(argv[1])
+    out = run_case(**payload) if kind == "case" else run_decode(**payload)
+    print("RESULT " + json.dumps(out))
+
+
+def spawn(kind: str, payload: dict, timeout: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", kind, json.dumps(payload)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"{kind} {payload} failed:\n{proc.stderr[-2000:]}")
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child(sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tmin", type=int, default=10, help="smallest T as a power of two")
+    ap.add_argument("--tmax", type=int, default=15, help="largest T as a power of two")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--mem-budget-gb", type=float, default=4.0, help="skip cases estimated above this")
+    ap.add_argument("--max-call-s", type=float, default=20.0, help="skip larger T once one call took longer")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--decode-steps", type=int, default=200)
+    ap.add_argument("--decode-contexts", default="1024,32768")
+    ap.add_argument("--omp-wait-policy", choices=("passive", "active"), default=None,
+                    help="set OMP_WAIT_POLICY for the measured processes (default: inherit). On a shared "
+                         "machine 'passive' stops idle OpenMP threads from spinning against other processes")
+    ap.add_argument("--json", help="also write all results to this file")
+    args = ap.parse_args()
+
+    if args.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # children read it at start-up
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    B, H, D, w = args.batch, args.heads, args.head_dim, args.window
+    backends = args.backends.split(",")
+    print(f"# bench_ops: B={B} H={H} D={D} window={w} fp32, forward only, torch {torch.__version__}, "
+          f"{threads} threads, {os.cpu_count()} CPUs, {platform.machine()}")
+    print(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    print(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+    print("# load average at start: %.2f %.2f %.2f (other processes share these cores)" % os.getloadavg())
+    results: dict = {"prefill": {}, "decode": {}, "skipped": []}
+    too_slow = set()
+    for p in range(args.tmin, args.tmax + 1):
+        T = 2**p
+        row = results["prefill"].setdefault(T, {})
+        for be in backends:
+            est = estimate_bytes(be, B, H, T, D, w)
+            if est > args.mem_budget_gb * 2**30:
+                results["skipped"].append(f"{be} T={T}: estimated {est / 2**30:.1f} GB > budget {args.mem_budget_gb} GB")
+                continue
+            if be in too_slow:
+                results["skipped"].append(f"{be} T={T}: T={T // 2} already took > {args.max_call_s} s per call")
+                continue
+            payload = dict(backend=be, B=B, H=H, T=T, D=D, window=w, threads=threads, max_call_s=args.max_call_s)
+            try:
+                r = spawn("case", payload, timeout=max(600, 20 * args.max_call_s))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                results["skipped"].append(f"{be} T={T}: failed ({str(exc).splitlines()[0][:200]})")
+                continue
+            row[be] = r
+            if r["first_ms"] / 1000 > args.max_call_s:
+                too_slow.add(be)
+            print(f"  T={T:6d} {be:10s} {r['ms']:10.1f} ms (best {r['min_ms']:10.1f}, cpu {r['cpu_ms']:10.1f} ms)"
+                  f"  peak {r['peak_mb']:9.1f} MB"
+                  f"  ({r['reps']} reps)", flush=True)
+
+    def get(T, be, key):
+        return results["prefill"][T].get(be, {}).get(key)
+
+    print()
+    def ratio(T, be, key="ms"):
+        c, x = get(T, "chunked", key), get(T, be, key)
+        return fmt(x / c, ".2f") + "x" if c and x else "-"
+
+    print("Wall time per forward (median), ratios = other / chunked:")
+    print()
+    print("| T | " + " | ".join(f"{be} ms" for be in backends)
+          + " | SDPA / chunked | reference / chunked | seed_naive / chunked | SDPA / chunked (CPU time)"
+          + " | SDPA / chunked (best of reps) |")
+    print("|---" * (len(backends) + 6) + "|")
+    for T in results["prefill"]:
+        print(f"| {T} | " + " | ".join(fmt(get(T, be, "ms")) for be in backends)
+              + f" | {ratio(T, 'sdpa')} | {ratio(T, 'reference')} | {ratio(T, 'seed_naive')} | {ratio(T, 'sdpa', 'cpu_ms')} | {ratio(T, 'sdpa', 'min_ms')} |")
+    print()
+    print("Peak extra resident memory per forward (output included):")
+    print()
+    print("| T | " + " | ".join(f"{be} peak MB" for be in backends) + " |")
+    print("|---" * (len(backends) + 1) + "|")
+    for T in results["prefill"]:
+        print(f"| {T} | " + " | ".join(fmt(get(T, be, "peak_mb")) for be in backends) + " |")
+    if results["skipped"]:
+        print()
+        for s in results["skipped"]:
+            print(f"- skipped {s}")
+
+    contexts = [int(c) for c in args.decode_contexts.split(",") if c]
+    if contexts and args.decode_steps > 0:
+        payload = dict(B=B, H=H, D=D, window=w, contexts=contexts, steps=args.decode_steps, threads=threads)
+        dec = spawn("decode", payload, timeout=1800)
+        results["decode"] = dec
+        print()
+        print("| context | hybrid step us | hybrid state KB | softmax KV-cache step (SDPA) us | KV cache KB |")
+        print("|---|---|---|---|---|")
+        for ctx, r in dec.items():
+            print(f"| {ctx} | {r['step_us']:.1f} | {r['state_kb']:.0f} | {r['sdpa_us']:.1f} | {r['kv_cache_kb']:.0f} |")
+        first, last = dec[str(contexts[0])], dec[str(contexts[-1])]
+        print(f"\nhybrid step time {contexts[-1]} / {contexts[0]} context: {last['step_us'] / first['step_us']:.2f}x "
+              f"(softmax KV-cache step: {last['sdpa_us'] / first['sdpa_us']:.2f}x)")
+    print("\n# load average at end: %.2f %.2f %.2f" % os.getloadavg())
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+"""The Snakemake workflow: lint/format, config validation before any job, and the whole DAG on
+config/test.yaml with incremental-rebuild checks on the exact set of planned jobs.
+
+Every run happens in a temporary copy of the workflow (Snakefile, workflow/, config/, envs/ and a
+link to src/), so no result lands in the repository. Snakemake is pinned (pyproject.toml): the
+dry-run output parsed below is the 9.x format.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def _env() -> dict:
+    env = dict(os.environ, HYBRID_LLAMA_SHARED_DATA=str(SHARED), OMP_NUM_THREADS="1")
+    env.pop("SNAKEMAKE_PROFILE", None)
+    return env
+
+
+def copy_workflow(dest: Path) -> Path:
+    """A runnable copy of the workflow in dest (src/ is linked, not copied)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / "Snakefile", dest / "Snakefile")
+    for name in ("workflow", "config", "envs"):
+        shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "profiles"))
+    (dest / "src").symlink_to(REPO / "src")
+    return dest
+
+
+def snakemake(workdir: Path, *args: str, configfile: Path | None = None, timeout: int = 1800):
+    cmd = [*SNAKEMAKE, *args]
+    if configfile is not None:
+        cmd += ["--configfile", str(configfile), "--replace-workflow-config"]
+    return subprocess.run(cmd, cwd=workdir, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def planned_jobs(output: str) -> set[tuple[str, str | None]]:
+    """{(rule, first output file)} of a dry run's job blocks ('rule x:' / 'localrule x:')."""
+    jobs, block = set(), None
+    for line in output.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):$", line)
+        if m:
+            if block:
+                jobs.add(tuple(block))
+            block = [m.group(1), None]
+        elif block and line.startswith("    output: "):
+            block[1] = line.removeprefix("    output: ").split(", ")[0].strip()
+        elif block and not line.startswith("    "):
+            jobs.add(tuple(block))
+            block = None
+    if block:
+        jobs.add(tuple(block))
+    return jobs
+
+
+def test_planned_jobs_parser():
+    text = (
+        "rule a:\n    input: x\n    output: o1, o2\n    jobid: 1\n"
+        "localrule b:\n    output: o3\n    wildcards: w=1\n"
+        "rule all:\n    input: o1\n    jobid: 0\n\nJob stats:\n"
+    )
+    assert planned_jobs(text) == {("a", "o1"), ("b", "o3"), ("all", None)}
+
+
+# ------------------------------------------------------------------------------------------ lint
+
+
+def test_lint_clean():
+    out = snakemake(REPO, "--lint", timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Lints for" not in out.stdout + out.stderr
+
+
+def test_snakefmt_check():
+    files = [str(REPO / "Snakefile"), *map(str, sorted((REPO / "workflow" / "rules").glob("*.smk")))]
+    out = subprocess.run([sys.executable, "-m", "snakefmt", "--check", *files], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_rule_has_log_benchmark_conda():
+    text = "\n".join(p.read_text() for p in (REPO / "workflow" / "rules").glob("*.smk"))
+    blocks = re.split(r"\n(?=rule \w+:)", text)[1:]
+    assert len(blocks) >= 15
+    for block in blocks:
+        name = re.match(r"rule (\w+):", block).group(1)
+        for directive in ("log:", "benchmark:", "conda:", "script:"):
+            assert f"\n    {directive}" in block, f"rule {name} lacks {directive}"
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def test_config_files_equal_when_merged_or_replaced():
+    """`--configfile X` extends config.yaml; X must set every key config.yaml sets, so the result
+    is the same as with --replace-workflow-config (lists such as models/variants are replaced)."""
+    from snakemake.utils import update_config
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    for name in ("paper.yaml", "test.yaml"):
+        other = yaml.safe_load((REPO / "config" / name).read_text())
+        merged = copy.deepcopy(base)
+        update_config(merged, other)
+        assert merged == other, f"config/{name} does not override every key of config/config.yaml"
+
+
+def _walk_properties(node: dict, defs: dict, path=()):
+    """Yield (path, subschema, resolved subschema) for every named property in the schema."""
+    if not isinstance(node, dict):
+        return
+    for key, sub in (node.get("properties") or {}).items():
+        resolved = defs[sub["$ref"].split("/")[-1]] if "$ref" in sub else sub
+        yield path + (key,), sub, resolved
+        yield from _walk_properties(sub, defs, path + (key,))
+        if resolved is not sub:
+            yield from _walk_properties(resolved, defs, path + (key,))
+    for k in ("items", "additionalProperties", "then"):
+        if isinstance(node.get(k), dict):
+            yield from _walk_properties(node[k], defs, path)
+    for k in ("allOf", "anyOf", "oneOf"):
+        for sub in node.get(k, []):
+            yield from _walk_properties(sub, defs, path)
+
+
+def test_schema_is_valid_and_describes_every_key():
+    import jsonschema
+
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(schema)
+    defs = schema["$defs"]
+    undocumented = [
+        ".".join(path)
+        for path, sub, resolved in _walk_properties(schema, defs)
+        if set(sub) != {"default"} and not (sub.get("description") or resolved.get("description"))
+    ]
+    for d in defs.values():
+        undocumented += [".".join(p) for p, sub, r in _walk_properties(d, defs) if not (sub.get("description") or r.get("description"))]
+    assert undocumented == []
+
+
+def test_schema_fills_defaults_for_a_minimal_config():
+    from snakemake.utils import validate
+
+    cfg = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
+           "variants": [{"name": "v", "hybrid": {"layers": [0]}}]}
+    validate(cfg, str(REPO / "config" / "schema.yaml"))
+    assert cfg["variants"][0]["hybrid"] == {"layers": [0], "window": 64, "formulation": "hybrid",
+                                            "feature_map": "elu1", "backend": "auto"}
+    assert cfg["lora"]["r"] == 8 and cfg["lora"]["alpha"] == 16 and cfg["lora"]["lr"] == 1e-4
+    assert cfg["base_lora"]["target"] == "all" and "r" not in cfg["base_lora"]  # overrides only
+    assert cfg["transfer"]["trainable"] == "logits+qkvo"
+    assert cfg["mmlu"]["shots"] == [0, 5] and cfg["mmlu"]["formats"] == ["mc", "cloze"]
+    assert cfg["data"]["transfer"]["num_tokens"] == 1_000_000 and cfg["data"]["instruct"]["source"] == "auto"
+    assert cfg["quality"]["passkey"]["depths"] == [0.1, 0.5, 0.9] and cfg["devices"] == ["cpu"]
+    assert "transfer" not in cfg["variants"][0]  # a variant only holds what it overrides
+
+
+@pytest.fixture(scope="module")
+def wf_copy(tmp_path_factory) -> Path:
+    return copy_workflow(tmp_path_factory.mktemp("wf"))
+
+
+def _bad(wf: Path, name: str, mutate) -> subprocess.CompletedProcess:
+    cfg = yaml.safe_load((REPO / "config" / "test.yaml").read_text())
+    mutate(cfg)
+    path = wf / f"bad_{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return snakemake(wf, "-n", "--cores", "1", configfile=path, timeout=600)
+
+
+BAD_CONFIGS = {
+    "window_zero": (lambda c: c["variants"][0]["hybrid"].update(window=0), ["window", "minimum"]),
+    "unknown_kind": (lambda c: c["models"][0].update(kind="ftp"), ["kind", "ftp"]),
+    "shots_not_list": (lambda c: c["mmlu"].update(shots="0,5"), ["shots", "not of type 'array'"]),
+    "shots_duplicate": (lambda c: c["mmlu"].update(shots=[0, 0]), ["'mmlu.shots'", "duplicate"]),
+    "layer_beyond_model": (
+        lambda c: c["variants"][0]["hybrid"].update(layers=[0, 7]),
+        ["'variants[w16].hybrid.layers'", "layer index 7", "4 layers"],
+    ),
+    "reserved_variant": (lambda c: c["variants"][0].update(name="base"), ["'name'", "should not be valid"]),
+    "typo_key": (lambda c: c["transfer"].update(lrr=0.1), ["lrr", "Additional properties"]),
+    "bad_device": (lambda c: c.update(devices=["gpu0"]), ["devices", "gpu0"]),
+    "missing_local_data": (
+        lambda c: c["data"]["transfer"].update(local="nowhere/none.jsonl"),
+        ["'data.transfer.local'", "does not exist"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_fails_before_any_job(wf_copy, case):
+    mutate, needles = BAD_CONFIGS[case]
+    out = _bad(wf_copy, case, mutate)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    for needle in needles:
+        assert needle in text, f"{case}: {needle!r} not in:\n{text[-3000:]}"
+    assert not planned_jobs(text), "jobs were planned despite the bad config"
+    assert "Building DAG" not in text
+
+
+def test_good_test_config_dry_run(wf_copy):
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=wf_copy / "config" / "test.yaml", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = planned_jobs(out.stdout)
+    rules = sorted(r for r, _ in jobs)
+    # 4 stages x 2 formats x 1 shot MMLU jobs; base and base_lora evaluated once
+    assert rules.count("mmlu") == 8
+    assert rules.count("perplexity") == rules.count("passkey") == rules.count("generations") == 4
+    assert ("report", "results/report.html") in jobs
+
+
+# ------------------------------------------------------------------------------------------ whole DAG
+
+M, V, D = "tiny", "w16", "cpu"
+
+
+def _stage_jobs(slot: str, stage: str, fmts=("mc", "cloze"), shots=(0,)) -> set:
+    jobs = {("mmlu", f"results/{M}/{slot}/mmlu/{D}/{stage}/{f}_{s}shot.json") for f in fmts for s in shots}
+    return jobs | {
+        ("perplexity", f"results/{M}/{slot}/quality/{D}/{stage}/perplexity.csv"),
+        ("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv"),
+        ("generations", f"results/{M}/{slot}/generations/{stage}.json"),
+    }
+
+
+DOWNSTREAM = {
+    ("quality_table", f"results/{M}/{V}/quality/{D}/perplexity.csv"),
+    ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
+    ("plot_quality", f"results/plots/{M}_{V}_nll_{D}.png"),
+    ("plot_mmlu", f"results/plots/{M}_mmlu_mc.png"),
+    ("plot_mmlu", f"results/plots/{M}_mmlu_cloze.png"),
+    ("report", "results/report.html"),
+    ("all", None),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The whole DAG of config/test.yaml, run once; yields (workdir, config, seconds)."""
+    if not (SHARED / "mmlu").is_dir():
+        pytest.skip(f"shared data mirror not found at {SHARED} (set HYBRID_LLAMA_SHARED_DATA)")
+    wf = copy_workflow(tmp_path_factory.mktemp("dag"))
+    cfg_path = wf / "config" / "test.yaml"
+    t0 = time.perf_counter()
+    out = snakemake(wf, "--cores", "2", configfile=cfg_path, timeout=3000)
+    seconds = time.perf_counter() - t0
+    print(f"\nwhole test DAG: {seconds:.0f} s wall")
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-5000:]
+    return wf, yaml.safe_load(cfg_path.read_text()), seconds
+
+
+def _plan(wf: Path, cfg: dict, name: str) -> set:
+    path = wf / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf, "-n", "--cores", "2", configfile=path, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return planned_jobs(out.stdout)
+
+
+@pytest.mark.slow
+def test_whole_dag_outputs(built):
+    wf, _, seconds = built
+    html = (wf / "results" / "report.html").read_text()
+    assert 'id="mmlu-table"' in html and "data:image/png;base64," in html
+    for rel in (
+        f"results/{M}/{V}/transfer/hybrid_layers.safetensors",
+        f"results/{M}/{V}/lora/adapter_model.safetensors",
+        f"results/{M}/base_lora/lora/adapter_model.safetensors",
+        f"results/{M}/base/mmlu/{D}/base/mc_0shot.json",
+        f"results/{M}/{V}/mmlu/{D}/transfer_lora/cloze_0shot.json",
+        f"results/{M}/{V}/quality/{D}/perplexity.csv",
+        f"results/{M}/{V}/quality/{D}/passkey.csv",
+        f"results/{M}/throughput/{D}.csv",
+        "resources/data/transfer/tiny.json",
+        "logs/benchmarks/report.tsv",
+    ):
+        assert (wf / rel).is_file(), rel
+    # the variant's quality tables hold every stage, base and control included
+    stages = {line.split(",")[0] for line in (wf / f"results/{M}/{V}/quality/{D}/perplexity.csv").read_text().splitlines()[1:]}
+    assert stages == {"base", "transfer", "transfer_lora", "base_lora"}
+
+
+@pytest.mark.slow
+def test_second_run_does_nothing(built):
+    wf, cfg, _ = built
+    assert _plan(wf, cfg, "same") == set()
+
+
+@pytest.mark.slow
+def test_lora_change_reruns_only_lora_and_dependents(built):
+    wf, cfg, _ = built
+    cfg = copy.deepcopy(cfg)
+    cfg["lora"]["r"] = cfg["lora"]["r"] // 2
+    expected = (
+        {("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
+         ("base_lora", f"results/{M}/base_lora/lora/adapter_model.safetensors"),
+         ("plot_lora_loss", f"results/plots/{M}_{V}_lora_loss.png"),
+         ("plot_lora_loss", f"results/plots/{M}_base_lora_lora_loss.png")}
+        | _stage_jobs(V, "transfer_lora") | _stage_jobs("base_lora", "base_lora") | DOWNSTREAM
+    )
+    assert _plan(wf, cfg, "lora_r") == expected
+
+
+@pytest.mark.slow
+def test_window_change_reruns_transfer_onward(built):
+    wf, cfg, _ = built
+    cfg = copy.deepcopy(cfg)
+    cfg["variants"][0]["hybrid"]["window"] = 8
+    expected = (
+        {("transfer", f"results/{M}/{V}/transfer/hybrid_layers.safetensors"),
+         ("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
+         ("plot_transfer_loss", f"results/plots/{M}_{V}_transfer_loss.png"),
+         ("plot_lora_loss", f"results/plots/{M}_{V}_lora_loss.png"),
+         # throughput compares the variants' hybrid layouts, so it depends on the window too
+         ("throughput", f"results/{M}/throughput/{D}.csv"),
+         ("plot_throughput", f"results/plots/{M}_throughput_{D}.png")}
+        | _stage_jobs(V, "transfer") | _stage_jobs(V, "transfer_lora") | DOWNSTREAM
+    )
+    assert _plan(wf, cfg, "window") == expected
+
+
+@pytest.mark.slow
+def test_adding_shots_adds_only_those_mmlu_jobs(built):
+    wf, cfg, _ = built
+    cfg = copy.deepcopy(cfg)
+    cfg["mmlu"]["shots"] = cfg["mmlu"]["shots"] + [1]
+    new = {
+        ("mmlu", f"results/{M}/{slot}/mmlu/{D}/{stage}/{fmt}_1shot.json")
+        for slot, stage in (("base", "base"), ("base_lora", "base_lora"), (V, "transfer"), (V, "transfer_lora"))
+        for fmt in ("mc", "cloze")
+    }
+    expected = new | {
+        ("plot_mmlu", f"results/plots/{M}_mmlu_mc.png"),
+        ("plot_mmlu", f"results/plots/{M}_mmlu_cloze.png"),
+        ("report", "results/report.html"),
+        ("all", None),
+    }
+    assert _plan(wf, cfg, "shots") == expected
+
+
+@pytest.mark.slow
+def test_editing_a_script_reruns_that_rule(built):
+    wf, cfg, _ = built
+    script = wf / "workflow" / "scripts" / "passkey.py"
+    original, stat = script.read_text(), script.stat()
+    try:
+        script.write_text(original + "\n# edited\n")
+        expected = {("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv")
+                    for slot, stage in (("base", "base"), ("base_lora", "base_lora"), (V, "transfer"), (V, "transfer_lora"))}
+        expected |= {
+            ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
+            ("plot_quality", f"results/plots/{M}_{V}_nll_{D}.png"),
+            ("report", "results/report.html"),
+            ("all", None),
+        }
+        assert _plan(wf, cfg, "script") == expected
+    finally:
+        script.write_text(original)
+        os.utime(script, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.slow
+def test_snakemake_report(built):
+    wf, cfg, _ = built
+    out = snakemake(wf, "--report", "results/snakemake-report.html", configfile=wf / "config" / "test.yaml", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = (wf / "results" / "snakemake-report.html").read_text(errors="replace")
+    assert "mmlu" in text.lower() and len(text) > 10_000
+
+
+# ------------------------------------------------------------------------------------------ devices
+
+
+def test_require_device():
+    import torch
+
+    sys.path.insert(0, str(REPO / "workflow" / "scripts"))
+    try:
+        from hl_script import require_device
+    finally:
+        sys.path.pop(0)
+    assert require_device("cpu") == "cpu"
+    if torch.cuda.is_available():
+        assert require_device("cuda-h100") == "cuda"
+        return
+    for device in ("cuda", "cuda:1", "cuda:0-h100"):
+        with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
+            require_device(device)

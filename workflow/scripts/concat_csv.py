@@ -1,0 +1,22 @@
+"""Stack per-stage CSVs with the same header into one table."""
+
+import csv
+
+from hl_script import start
+
+start(snakemake, torch_threads=False)
+
+header, rows = None, []
+for path in snakemake.input:
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        head = next(reader)
+        if header is not None and head != header:
+            raise ValueError(f"{path}: header {head} differs from {header}")
+        header = head
+        rows.extend(reader)
+with open(snakemake.output[0], "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(header)
+    writer.writerows(rows)
+print(f"{len(rows)} rows from {len(snakemake.input)} files")

@@ -1,0 +1,34 @@
+"""Download MMLU from Hugging Face into the mirror's layout: {dev,test}/<subject>_{split}.csv."""
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+from hl_script import start
+
+start(snakemake, torch_threads=False)
+
+import datasets
+
+root = Path(snakemake.output.manifest).parent
+ds = datasets.load_dataset(snakemake.params.id, "all")
+counts = {}
+for split in ("dev", "test"):
+    rows_by_subject = {}
+    for row in ds[split]:
+        rows_by_subject.setdefault(row["subject"], []).append(row)
+    (root / split).mkdir(parents=True, exist_ok=True)
+    for subject, rows in sorted(rows_by_subject.items()):
+        with open(root / split / f"{subject}_{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
+            for r in rows:
+                writer.writerow([r["question"], *r["choices"], r["answer"]])
+    counts[split] = sum(len(r) for r in rows_by_subject.values())
+files = {
+    str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+    for p in sorted(root.glob("*/*.csv"))
+}
+manifest = {"source": {"kind": "hf", "id": snakemake.params.id}, "rows": counts, "files": files}
+Path(snakemake.output.manifest).write_text(json.dumps(manifest, indent=1) + "\n")
