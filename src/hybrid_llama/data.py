@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from .weights import sha256_of
+
 __all__ = [
     "DataError",
     "doc_hash",
@@ -77,14 +79,6 @@ def split_documents(texts: Iterable[str], *, heldout_fraction: float, seed: int 
     for t in texts:
         (heldout if split_of(t, heldout_fraction=heldout_fraction, seed=seed) == "heldout" else train).append(t)
     return train, heldout
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _resolve_files(path: str | os.PathLike) -> list[Path]:
@@ -319,7 +313,7 @@ def prepare_transfer_corpus(source: dict, tokenizer: Any, out_path: str | os.Pat
         "tokenizer": _tokenizer_name(tok),
         "eos_token_id": eos,
         "add_bos": bool(bos),
-        "files": [{"path": str(p), "sha256": _sha256_file(p)} for p in _source_files(source)],
+        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in _source_files(source)],
         "inputs_sha256": stream.hexdigest(),
         "doc_hash": "sha256(utf-8 text)",
         "doc_hashes": hashes,
@@ -438,7 +432,7 @@ def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathL
     manifest = {
         "kind": "instruct",
         "source": dict(source),
-        "files": [{"path": str(p), "sha256": _sha256_file(p)} for p in _source_files(source)],
+        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in _source_files(source)],
         "inputs_sha256": stream.hexdigest(),
         "tokenizer": _tokenizer_name(tok),
         "template": template,

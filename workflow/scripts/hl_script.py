@@ -60,11 +60,9 @@ def require_device(device: str) -> str:
 
 
 def sha256_file(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    from hybrid_llama.weights import sha256_of
+
+    return sha256_of(path)
 
 
 def model_dir(snakemake) -> Path:
