@@ -2,7 +2,7 @@
 
 Both builders read a *source spec* (a dict from config), tokenize with the model's tokenizer and write
 one safetensors file plus a JSON manifest beside it (same name, ``.json``). Config keys and defaults are
-listed in ``docs/notes/train.md`` and in each function's docstring.
+listed in each function's docstring (and, as workflow config, in ``config/schema.yaml``).
 
 Source specs:
 - ``{kind: hf, path: HuggingFaceFW/fineweb-edu, name: sample-10BT, split: train, text_column: text}``
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--source", required=True, help='source spec as JSON, e.g. {"kind": "local", "path": "x.jsonl"}')
     ap.add_argument("--tokenizer", required=True, help="model directory holding the tokenizer")
     ap.add_argument("--out", required=True, help="output .safetensors (manifest goes beside it as .json)")
-    ap.add_argument("--config", default="{}", help="JSON dict of keys (see docs/notes/train.md)")
+    ap.add_argument("--config", default="{}", help="JSON dict of keys (see the function docstrings)")
     a = ap.parse_args(argv)
     fn = prepare_transfer_corpus if a.what == "corpus" else prepare_instruct_data
     m = fn(json.loads(a.source), a.tokenizer, a.out, **json.loads(a.config))

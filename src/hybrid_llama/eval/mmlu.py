@@ -233,7 +233,7 @@ def run_mmlu(
     meta: dict | None = None,
     log_prompts: bool = False,
 ) -> dict:
-    """Evaluate ``model`` on MMLU with lm-eval and return the result dict (schema in docs/notes/eval.md)."""
+    """Evaluate ``model`` on MMLU with lm-eval and return the result dict (keys: see ``write_result`` and docs/design.md)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     import lm_eval

@@ -462,3 +462,19 @@ def run_steps(
         "tokens_this_run": tokens,
         "elapsed_this_run_s": time.perf_counter() - t0,
     }
+
+
+def add_hybrid_arguments(ap, *, layers_help: str, layers_required: bool) -> None:
+    """The hybrid-layout flags shared by the training CLIs."""
+    ap.add_argument("--layers", required=layers_required, default=None, help=layers_help)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--feature-map", default="elu1")
+    ap.add_argument("--formulation", default="hybrid")
+
+
+def hybrid_from_arguments(args) -> dict | None:
+    """The hybrid config dict from :func:`add_hybrid_arguments`' flags (None without --layers)."""
+    if not args.layers:
+        return None
+    return {"layers": [int(x) for x in args.layers.split(",")], "window": args.window,
+            "feature_map": args.feature_map, "formulation": args.formulation}

@@ -26,9 +26,11 @@ from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.common import (
     TRAIN_DEFAULTS,
     LossCSV,
+    add_hybrid_arguments,
     NonFiniteError,
     autocast,
     batch_order,
+    hybrid_from_arguments,
     merge_config,
     pick_device,
     run_steps,
@@ -279,19 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid_llama.train.finetune", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--instruct", required=True, help="instruction safetensors from hybrid_llama.data")
-    ap.add_argument("--layers", default=None, help="comma-separated hybrid layers (omit for the base+LoRA control)")
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--feature-map", default="elu1")
-    ap.add_argument("--formulation", default="hybrid")
+    add_hybrid_arguments(ap, layers_help="comma-separated hybrid layers (omit for the base+LoRA control)",
+                         layers_required=False)
     ap.add_argument("--hybrid-layers", default=None, help="hybrid_layers.safetensors from the transfer stage")
-    ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (see docs/notes/train.md)")
+    ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (config/schema.yaml: lora)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    hybrid = None
-    if a.layers:
-        hybrid = {"layers": [int(x) for x in a.layers.split(",")], "window": a.window,
-                  "feature_map": a.feature_map, "formulation": a.formulation}
-    m = run_finetune(a.model_dir, a.instruct, json.loads(a.lora), a.out, hybrid=hybrid, hybrid_layers=a.hybrid_layers)
+    m = run_finetune(a.model_dir, a.instruct, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a),
+                     hybrid_layers=a.hybrid_layers)
     print(json.dumps({k: m[k] for k in ("val_loss_before", "val_loss_after", "wall_time_s", "tokens_per_s")}, indent=1))
 
 

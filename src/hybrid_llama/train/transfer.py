@@ -27,8 +27,10 @@ from hybrid_llama.stages import as_hybrid_config, load_base, resolve_dtype
 from hybrid_llama.train.common import (
     TRAIN_DEFAULTS,
     LossCSV,
+    add_hybrid_arguments,
     autocast,
     batch_order,
+    hybrid_from_arguments,
     check_finite,
     merge_config,
     pick_device,
@@ -301,16 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid_llama.train.transfer", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--packed", required=True, help="packed corpus safetensors from hybrid_llama.data")
-    ap.add_argument("--layers", required=True, help="comma-separated hybrid layer indices")
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--feature-map", default="elu1")
-    ap.add_argument("--formulation", default="hybrid")
-    ap.add_argument("--train", default="{}", help="JSON dict of train keys (see docs/notes/train.md)")
+    add_hybrid_arguments(ap, layers_help="comma-separated hybrid layer indices", layers_required=True)
+    ap.add_argument("--train", default="{}", help="JSON dict of train keys (config/schema.yaml: transfer)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    hybrid = {"layers": [int(x) for x in a.layers.split(",")], "window": a.window,
-              "feature_map": a.feature_map, "formulation": a.formulation}
-    m = run_transfer(a.model_dir, a.packed, hybrid, json.loads(a.train), a.out)
+    m = run_transfer(a.model_dir, a.packed, hybrid_from_arguments(a), json.loads(a.train), a.out)
     print(json.dumps({k: m[k] for k in ("mse_before", "mse_after", "wall_time_s", "tokens_per_s")}, indent=1))
 
 
