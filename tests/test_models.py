@@ -422,8 +422,9 @@ def test_cache_memory_constant_for_hybrid_layers(lively_dir):
         assert hybrid_cache_nbytes(out.past_key_values) == sum(sizes[n])
     for i in range(4):
         if i in HYBRID_LAYERS:
-            # ring buffers k, v [1, 4 heads, w=4, 16] fp32 + valid [1, 4] + S [1, 4, 16, 16] + z [1, 4, 16]
-            assert sizes[8][i] == sizes[40][i] == 2 * 4 * 4 * 16 * 4 + 4 + 4 * 16 * 16 * 4 + 4 * 16 * 4
+            # kept per KV head (GQA: 2, not the 4 query heads): ring buffers k, v [1, 2, w=4, 16] fp32
+            # + valid [1, 4] + S [1, 2, 16, 16] + z [1, 2, 16]
+            assert sizes[8][i] == sizes[40][i] == 2 * 2 * 4 * 16 * 4 + 4 + 2 * 16 * 16 * 4 + 2 * 16 * 4
         else:
             assert sizes[40][i] - sizes[8][i] == 32 * 2 * 2 * 16 * 4  # 32 more tokens of 2 KV heads, k and v
 

@@ -98,15 +98,19 @@ def test_passkey_prompt_exact_length_and_depth_bpe(bpe_tok, L):
         assert abs(filler_before - depth * (L - fixed)) <= 1
 
 
-REAL_TOKENIZER = os.environ.get("HYBRID_LLAMA_TEST_TOKENIZER")  # a model dir, e.g. a resolved SmolLM2
-
-
-@pytest.mark.skipif(not REAL_TOKENIZER, reason="set HYBRID_LLAMA_TEST_TOKENIZER to a local model dir to run")
-@pytest.mark.parametrize("L", [256, 1024, 2048])
-def test_passkey_prompt_real_tokenizer(L):
+@pytest.fixture(scope="module")
+def real_tokenizer(request):
+    """SmolLM2's tokenizer (the default run's), or the model dir in $HYBRID_LLAMA_TEST_TOKENIZER."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(REAL_TOKENIZER)
+    path = os.environ.get("HYBRID_LLAMA_TEST_TOKENIZER") or request.getfixturevalue("smollm2_dir")
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L", [256, 1024, 2048])
+def test_passkey_prompt_real_tokenizer(real_tokenizer, L):
+    tok = real_tokenizer
     parts = Q.passkey_parts(tok, 24680)
     fixed = sum(len(p) for p in parts.values())
     for depth in (0.1, 0.5, 0.9):

@@ -139,3 +139,61 @@ def test_build_variants_from_model_dir(tiny_model_dir):
     assert label == "sdpa" and base.config._attn_implementation == "sdpa"
     df = measure_throughput(variants, seq_lens=[1, 8], decode_tokens=2, repeats=1, warmup=0)
     assert (df["status"] == "ok").all(), df[["variant", "status", "error"]]
+
+
+# ------------------------------------------------------------- benchmarks/bench_model.py (model level)
+
+
+def _bench_model():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_model.py"
+    spec = importlib.util.spec_from_file_location("bench_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_model_ratios_and_goals(tmp_path):
+    """A CPU run of the model-level benchmark: its ratios are the tables' own numbers, divided."""
+    import json
+
+    bench = _bench_model()
+    out = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--backends", "chunked",
+            "--prefill-lens", "32,96", "--decode-context", "96", "--decode-batch", "2", "--decode-tokens", "3",
+            "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["layers"] == [0, 2]  # "even" layers of the 4-layer tiny model
+
+    def pick(table, variant, seq_len, phase, col):
+        (row,) = [r for r in res[table] if (r["variant"], r["seq_len"], r["phase"]) == (variant, seq_len, phase)]
+        assert row["status"] == "ok" and row["batch"] == (1 if table == "prefill" else 2)
+        return row[col]
+
+    r = res["ratios"]["hybrid_chunked"]
+    assert r["prefill_speedup"] == pytest.approx(
+        pick("prefill", "hybrid_chunked", 96, "prefill", "tokens_per_s") / pick("prefill", "base", 96, "prefill", "tokens_per_s"))
+    assert r["decode_speedup"] == pytest.approx(
+        pick("decode", "hybrid_chunked", 96, "decode", "tokens_per_s") / pick("decode", "base", 96, "decode", "tokens_per_s"))
+    # cache: 2 of 4 layers keep the 96-token KV cache, 2 keep a 64-slot window + a D x D state
+    assert r["cache_ratio"] == pytest.approx(
+        pick("decode", "hybrid_chunked", 96, "decode", "cache_bytes") / pick("decode", "base", 96, "decode", "cache_bytes"))
+    assert 0.5 < r["cache_ratio"] < 1.0
+
+
+def test_bench_model_goal_verdicts():
+    import pandas as pd
+
+    bench = _bench_model()
+    rows = [dict(variant=v, phase=p, seq_len=n, status=s, tokens_per_s=t, cache_bytes=c)
+            for v, p, n, s, t, c in [("base", "prefill", 8, "ok", 100.0, 10), ("hyb", "prefill", 8, "ok", 150.0, 5),
+                                     ("base", "decode", 8, "ok", 10.0, 10), ("hyb", "decode", 8, "oom", 0.0, 5)]]
+    frame = pd.DataFrame(rows)
+    r = bench.model_ratios(frame, frame, prefill_len=8, decode_context=8)["hyb"]
+    assert r["prefill_speedup"] == pytest.approx(1.5) and math.isnan(r["decode_speedup"])
+    assert bench.meets("prefill_speedup", 1.5) == "meets >= 1.3"
+    assert bench.meets("cache_ratio", 0.6) == "misses <= 0.55"
+    assert bench.meets("decode_speedup", r["decode_speedup"]) == "not measured"

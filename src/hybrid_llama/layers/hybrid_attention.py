@@ -243,8 +243,12 @@ class HybridLlamaAttention(LlamaAttention):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k = repeat_kv(k, self.num_key_value_groups)
-        v = repeat_kv(v, self.num_key_value_groups)
+        if not isinstance(self.feature_map, Elu1FeatureMap):
+            # A per-head learnable map gives each query head its own phi(k): k/v must be per query head.
+            k = repeat_kv(k, self.num_key_value_groups)
+            v = repeat_kv(v, self.num_key_value_groups)
+        # else k/v stay at the KV heads (GQA): the triton kernels index them, and the decode state
+        # (window buffers, S, z) is kept once per KV head instead of once per query head.
 
         q_len = q.shape[2]
         valid = keys_valid_from_mask(attention_mask, q_len)

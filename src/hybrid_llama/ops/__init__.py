@@ -27,6 +27,7 @@ from .reference import hybrid_attention_reference
 
 __all__ = [
     "hybrid_attention",
+    "expand_kv",
     "hybrid_attention_step",
     "prefill_state",
     "init_state",
@@ -48,6 +49,18 @@ def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """GQA k/v ``[B, H_kv, T, D]`` repeated to q's H heads (query head h reads KV head h // (H / H_kv)),
+    as transformers' ``repeat_kv`` does; k/v that already have H heads are returned as they are."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads == heads:
+        return k, v
+    if k.dim() != 4 or v.shape[:3] != k.shape[:3] or heads % kv_heads:
+        raise ValueError(f"k/v {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)} (need H % H_kv == 0)")
+    groups = heads // kv_heads
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
@@ -61,18 +74,20 @@ def hybrid_attention(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
-    """Hybrid attention over ``[B, H, T, D]`` inputs; returns ``[B, H, T, D]`` in q's dtype."""
+    """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H);
+    returns ``[B, H, T, D]`` in q's dtype. The triton kernels read the KV heads in place; the torch
+    backends get k/v repeated to H heads first."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
-        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
+        return hybrid_attention_reference(q, *expand_kv(q, k, v), window_logit, linear_logit, **kwargs)
     if backend == "seed_naive":
         if formulation != "hybrid" or feature_map != "elu1" or key_padding_mask is not None:
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
         from .seed_naive import hybrid_attention_seed_naive
 
-        return hybrid_attention_seed_naive(q, k, v, window_logit, linear_logit, window=window)
+        return hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
     if backend in ("triton", "auto") and (backend == "triton" or q.is_cuda):
         fn, why = _load_triton("triton_prefill", "hybrid_attention_triton")
         if fn is None:
@@ -87,7 +102,7 @@ def hybrid_attention(
                 pass
     from .chunked import hybrid_attention_chunked
 
-    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+    return hybrid_attention_chunked(q, *expand_kv(q, k, v), window_logit, linear_logit, **kwargs)
 
 
 def hybrid_attention_step(
@@ -103,7 +118,8 @@ def hybrid_attention_step(
     key_valid: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, HybridState]:
-    """One decode step: q, k, v ``[B, H, 1, D]``; returns (out ``[B, H, 1, D]``, new state).
+    """One decode step: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` with the state's heads equal to
+    H_kv (GQA; H_kv = H for expanded k/v); returns (out ``[B, H, 1, D]``, new state).
 
     ``key_valid``: ``[B]`` bool, False marks the new token as padding. Backends: ``auto`` (triton on
     CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` / ``seed_naive`` (all

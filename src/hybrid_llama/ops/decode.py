@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, feature_dim_of, resolve_feature_map
+from .feature_maps import FeatureMap, HedgehogFeatureMap, feature_dim_of, resolve_feature_map
 from .reference import FORMULATIONS, combine, mixing_weights
 
 
@@ -135,12 +135,22 @@ def hybrid_attention_step_torch(
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
-    """One token: q, k, v ``[B, H, 1, D]``; ``key_valid`` ``[B]`` (or ``[B, 1]``) bool, True = real."""
-    if q.dim() != 4 or q.shape[2] != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"step expects q, k, v of shape [B, H, 1, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    """One token: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` and a state of H_kv heads (GQA: query
+    head h reads KV head h // (H / H_kv); H_kv = H for expanded k/v). ``key_valid`` ``[B]`` (or
+    ``[B, 1]``) bool, True = real. With H_kv < H the feature map must not depend on the head (elu1):
+    the state's phi(k) is shared by the query heads of a group."""
+    if (q.dim() != 4 or k.dim() != 4 or q.shape[2] != 1 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]
+            or v.shape[:3] != k.shape[:3] or q.shape[1] % k.shape[1] or state.k_window.shape[1] != k.shape[1]):
+        raise ValueError(
+            f"step expects q [B, H, 1, D], k/v [B, H_kv, 1, D] (H % H_kv == 0) and a state of H_kv heads; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, state heads {state.k_window.shape[1]}"
+        )
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     B, H, _, D = q.shape
+    kv_heads = k.shape[1]
+    if kv_heads != H and isinstance(feature_map, HedgehogFeatureMap):
+        raise ValueError("a per-head HedgehogFeatureMap needs k/v and the state expanded to the query heads")
     w = state.window
     phi = resolve_feature_map(feature_map)
     valid_new = (
@@ -163,8 +173,9 @@ def hybrid_attention_step_torch(
     window_valid[:, slot] = valid_new
     new_state = HybridState(k_window, v_window, window_valid, S, z, state.seen + 1)
 
-    qf = q.float()
-    scores = torch.matmul(qf, k_window.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H, 1, w]
+    # The g = H / H_kv query heads of a KV head are rows of one product against its buffers.
+    qf = q.float().reshape(B, kv_heads, H // kv_heads, D)
+    scores = torch.matmul(qf, k_window.float().transpose(-1, -2)) / math.sqrt(D)  # [B, H_kv, g, w]
     scores = scores.masked_fill(~window_valid[:, None, None, :], float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -172,10 +183,11 @@ def hybrid_attention_step_torch(
     win_sum = p.sum(dim=-1, keepdim=True)
     win_avg = torch.matmul(p, v_window.float()) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
 
-    phi_q = phi(qf)  # [B, H, 1, F]
+    phi_q = phi(qf)  # [B, H_kv, g, F]
     lin_num = torch.matmul(phi_q, S)
     lin_den = torch.matmul(phi_q, z.unsqueeze(-1))
 
     a, b = mixing_weights(window_logit, linear_logit)
-    out = combine(formulation, a, b, win_avg, win_sum, lin_num, lin_den)
+    per_head = [t.reshape(B, H, 1, -1) for t in (win_avg, win_sum, lin_num, lin_den)]
+    out = combine(formulation, a, b, *per_head)
     return out.to(q.dtype), new_state
