@@ -274,6 +274,24 @@ def test_fineweb_hf_errors_name_the_source(fineweb_repo, tiny_tokenizer, tmp_pat
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_stream_failing_part_way_is_a_data_error(monkeypatch):
+    """A Hub stream can break after some rows (connection reset, rate limit): the error names the
+    source and how far it got, and the rows before it were yielded."""
+    import datasets
+
+    def flaky_stream(*args, **kwargs):
+        yield {"text": "first"}
+        yield {"text": "second"}
+        raise ConnectionError("429 Too Many Requests")
+
+    monkeypatch.setattr(datasets, "load_dataset", flaky_stream)
+    got = []
+    with pytest.raises(DataError, match=r"hf:org/data:train: reading failed after row 2 \(ConnectionError: 429"):
+        for text, _origin in iter_documents({"kind": "hf", "path": "org/data", "split": "train"}):
+            got.append(text)
+    assert got == ["first", "second"]
+
+
 def test_hub_id_offline_is_a_data_error():
     """The real Hub id, with no network and an empty cache: a DataError naming the source, promptly."""
     spec = {"kind": "hf", "path": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "split": "train"}

@@ -166,7 +166,15 @@ def iter_rows(source: dict) -> Iterator[tuple[dict, str]]:
             )
         except Exception as e:  # network, auth, unknown config: say which source failed
             raise DataError(f"{label}: cannot open dataset ({type(e).__name__}: {e})") from e
-        for i, row in enumerate(ds, 1):
+        rows, i = iter(ds), 0
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except Exception as e:  # a stream can fail part-way (network, rate limit): say where
+                raise DataError(f"{label}: reading failed after row {i} ({type(e).__name__}: {e})") from e
+            i += 1
             yield row, f"{label}: row {i}"
     else:
         raise DataError(f"unknown source kind {kind!r} (want 'hf' or 'local'): {source}")
