@@ -20,6 +20,14 @@ Decode: states are prefilled with a context of 1K and of 32K tokens, then
 contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
 KV-cache step (SDPA of one query over the whole context, cache not grown) is timed alongside for
 contrast.
+
+GQA (``--gqa-kv-heads N``, replaces the runs above): the chunked backend on k/v with N KV heads,
+native (phi(k), chunk states and carry once per KV head) against expand-then-chunked (k/v repeated
+to H heads by ``expand_kv`` first, the former dispatcher path, the repeat timed too). Both run in
+one process, interleaved call by call (order alternating), forward (``no_grad``) and
+forward+backward, for each T of ``--gqa-ts``; medians over ``--gqa-reps`` calls:
+
+    python benchmarks/bench_ops.py --gqa-kv-heads 3 --heads 9 --gqa-ts 2048,8192 --omp-wait-policy passive
 """
 
 from __future__ import annotations
@@ -163,9 +171,63 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
     return res
 
 
+def run_gqa(B: int, H: int, kv_heads: int, D: int, window: int, Ts: list[int], reps: int, backward: bool,
+            threads: int) -> list[dict]:
+    """Native GQA chunked vs expand-then-chunked, interleaved in one process (see the docstring)."""
+    import torch
+
+    from hybrid_llama.ops import expand_kv
+    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for T in Ts:
+        q = torch.randn(B, H, T, D, generator=g)
+        k, v = (torch.randn(B, kv_heads, T, D, generator=g) for _ in range(2))
+        wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+        grad_out = torch.randn(B, H, T, D, generator=g)
+        variants = {
+            "native": lambda q, k, v: hybrid_attention_chunked(q, k, v, wl, ll, window=window),
+            "expanded": lambda q, k, v: hybrid_attention_chunked(q, *expand_kv(q, k, v), wl, ll, window=window),
+        }
+        modes = ["fwd"] + (["fwd+bwd"] if backward else [])
+        for mode in modes:
+            def call(name):
+                if mode == "fwd":
+                    with torch.no_grad():
+                        return variants[name](q, k, v)
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                out = variants[name](*leaves)
+                out.backward(grad_out)
+                return out
+
+            # Check they agree, and warm up (first calls page in code and grow the heap).
+            torch.testing.assert_close(call("native"), call("expanded"), atol=1e-5, rtol=1e-4)
+            times = {name: [] for name in variants}
+            cpu = {name: [] for name in variants}
+            for r in range(reps):
+                for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    call(name)
+                    times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.process_time() - c0)
+            row = {"T": T, "mode": mode}
+            for name, ts in times.items():
+                row[f"{name}_ms"] = 1000 * statistics.median(ts)
+                row[f"{name}_min_ms"] = 1000 * min(ts)
+                row[f"{name}_cpu_ms"] = 1000 * statistics.median(cpu[name])
+            rows.append(row)
+            print(f"  T={T:6d} {mode:8s} native {row['native_ms']:9.1f} ms (best {row['native_min_ms']:9.1f},"
+                  f" cpu {row['native_cpu_ms']:9.1f})  expanded {row['expanded_ms']:9.1f} ms (best"
+                  f" {row['expanded_min_ms']:9.1f}, cpu {row['expanded_cpu_ms']:9.1f})"
+                  f"  expanded/native {row['expanded_ms'] / row['native_ms']:.2f}x", flush=True)
+    return rows
+
+
 def child(argv: list[str]) -> None:
     kind, payload = argv[0], json.loads(argv[1])
-    out = run_case(**payload) if kind == "case" else run_decode(**payload)
+    out = {"case": run_case, "decode": run_decode, "gqa": run_gqa}[kind](**payload)
     print("RESULT " + json.dumps(out))
 
 
@@ -205,6 +267,11 @@ def main() -> None:
     ap.add_argument("--omp-wait-policy", choices=("passive", "active"), default=None,
                     help="set OMP_WAIT_POLICY for the measured processes (default: inherit). On a shared "
                          "machine 'passive' stops idle OpenMP threads from spinning against other processes")
+    ap.add_argument("--gqa-kv-heads", type=int, default=None,
+                    help="instead of the runs above: native GQA chunked vs expand-then-chunked, this many KV heads")
+    ap.add_argument("--gqa-ts", default="2048,8192", help="sequence lengths of the GQA comparison")
+    ap.add_argument("--gqa-reps", type=int, default=7, help="timed calls per variant (interleaved)")
+    ap.add_argument("--gqa-no-backward", action="store_true", help="GQA comparison: forward only")
     ap.add_argument("--json", help="also write all results to this file")
     args = ap.parse_args()
 
@@ -215,11 +282,37 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     B, H, D, w = args.batch, args.heads, args.head_dim, args.window
     backends = args.backends.split(",")
-    print(f"# bench_ops: B={B} H={H} D={D} window={w} fp32, forward only, torch {torch.__version__}, "
+    passes = "forward only"
+    if args.gqa_kv_heads:
+        passes = "forward" if args.gqa_no_backward else "forward, forward+backward"
+    print(f"# bench_ops: B={B} H={H} D={D} window={w} fp32, {passes}, torch {torch.__version__}, "
           f"{threads} threads, {os.cpu_count()} CPUs, {platform.machine()}")
     print(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print("# load average at start: %.2f %.2f %.2f (other processes share these cores)" % os.getloadavg())
+    if args.gqa_kv_heads:
+        payload = dict(B=B, H=H, kv_heads=args.gqa_kv_heads, D=D, window=w,
+                       Ts=[int(t) for t in args.gqa_ts.split(",") if t], reps=args.gqa_reps,
+                       backward=not args.gqa_no_backward, threads=threads)
+        print(f"# GQA: H={H} over H_kv={args.gqa_kv_heads}, {args.gqa_reps} interleaved calls per variant")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "gqa", json.dumps(payload)],
+                              text=True, stdout=subprocess.PIPE)
+        lines = proc.stdout.splitlines()
+        rows = next(json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT "))
+        print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("RESULT ")))
+        print()
+        print("| T | pass | native ms | expand-then-chunked ms | expanded / native | best of calls: native / expanded ms"
+              " | CPU time: native / expanded ms |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['T']} | {r['mode']} | {r['native_ms']:.1f} | {r['expanded_ms']:.1f} | "
+                  f"{r['expanded_ms'] / r['native_ms']:.2f}x | {r['native_min_ms']:.1f} / {r['expanded_min_ms']:.1f} | "
+                  f"{r['native_cpu_ms']:.1f} / {r['expanded_cpu_ms']:.1f} |")
+        print("\n# load average at end: %.2f %.2f %.2f" % os.getloadavg())
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"gqa": rows}, fh, indent=1)
+        return
     results: dict = {"prefill": {}, "decode": {}, "skipped": []}
     too_slow = set()
     for p in range(args.tmin, args.tmax + 1):

@@ -313,3 +313,100 @@ def test_chunked_inference_path_writes_slabs_in_place():
         got = run_chunked_small_slabs(q, k, v, wl, ll, window=w, key_padding_mask=mask)
     assert not got.requires_grad
     assert_same(got, naive(q, k, v, wl, ll, w, mask=mask))
+
+
+# ---- GQA: chunked reads k/v at the KV heads (phi(k), chunk states and carry once per KV head).
+
+# T: shorter than the window; three slabs with a ragged tail; five slabs with a ragged tail.
+# (T, window, chunk_size, slab_size), small blocks passed explicitly to keep the cases fast.
+GQA_LAYOUTS = [(5, 8, 8, 16), (70, 8, 16, 32), (1100, 16, 32, 256)]
+
+
+def gqa_mask(B, T, w):
+    """Left padding in row 0, a gap longer than the window in row 1."""
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, : min(3, T - 1)] = False
+    mask[1, T // 3 : T // 3 + 2 * w + 1] = False
+    return mask
+
+
+def group_sum(x, kv_heads):
+    """Gradient w.r.t. expanded k/v [B, H, T, D] -> w.r.t. the KV heads: sum over each group."""
+    B, H, T, D = x.shape
+    return x.view(B, kv_heads, H // kv_heads, T, D).sum(dim=2)
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=lambda h: "H{}Hkv{}".format(*h))
+@pytest.mark.parametrize("layout", GQA_LAYOUTS, ids=lambda s: "T{}w{}C{}P{}".format(*s))
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+@pytest.mark.parametrize("padded", [False, True], ids=["nopad", "pad"])
+def test_chunked_native_gqa_matches_reference_on_expanded_kv(heads, layout, formulation, padded):
+    (H, Hk), (T, w, C, P), B, D = heads, layout, 2, 8
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=7, kv_heads=Hk)
+    mask = gqa_mask(B, T, w) if padded else None
+    kw = dict(window=w, formulation=formulation, key_padding_mask=mask)
+    got = hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=C, slab_size=P, **kw)
+    assert got.shape == (B, H, T, D) and got.dtype == q.dtype
+    ke, ve = (expand(x, H).detach().requires_grad_() for x in (k, v))  # leaves: grads per query head
+    want = hybrid_attention(q, ke, ve, wl, ll, backend="reference", **kw)
+    assert_same(got, want)
+    g_q, g_k, g_v, g_wl, g_ll = grads(got, [q, k, v, wl, ll])
+    w_q, w_ke, w_ve, w_wl, w_ll = grads(want, [q, ke, ve, wl, ll])
+    assert g_k.shape == k.shape and g_v.shape == v.shape
+    pairs = [(g_q, w_q), (g_k, group_sum(w_ke, Hk)), (g_v, group_sum(w_ve, Hk)), (g_wl, w_wl), (g_ll, w_ll)]
+    for g_got, g_want in pairs:
+        assert_same(g_got, g_want)
+    # Same blocks, k/v expanded first (the former dispatcher path): the same numbers.
+    old = hybrid_attention_chunked(q, expand(k, H), expand(v, H), wl, ll, chunk_size=C, slab_size=P, **kw)
+    torch.testing.assert_close(got, old, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_dispatcher_passes_gqa_kv_to_chunked_unexpanded(monkeypatch, formulation):
+    """backend='chunked' with elu1 never repeats k/v (default chunk and slab sizes: two slabs, the
+    second ragged); the result matches the reference on expanded k/v."""
+    B, H, Hk, T, D, w = 1, 6, 2, 1100, 8, 16
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=8, kv_heads=Hk)
+    mask = gqa_mask(2, T, w)[1:]
+    want = hybrid_attention(q, *ops.expand_kv(q, k, v), wl, ll, window=w, formulation=formulation,
+                            key_padding_mask=mask, backend="reference")
+
+    def no_expand(*args):
+        raise AssertionError("expand_kv called on the native GQA path")
+
+    monkeypatch.setattr(ops, "expand_kv", no_expand)
+    got = hybrid_attention(q, k, v, wl, ll, window=w, formulation=formulation, key_padding_mask=mask, backend="chunked")
+    assert_same(got, want)
+
+
+def test_chunked_gqa_with_per_head_feature_map_expands_kv(monkeypatch):
+    """A per-head callable map (Hedgehog) sees k at the H query heads: chunked expands k/v first."""
+    B, H, Hk, T, D, w = 2, 4, 2, 45, 8, 4
+    fmap = HedgehogFeatureMap(H, D, feature_dim=6)
+    with torch.no_grad():
+        fmap.weight.add_(0.3 * torch.randn(fmap.weight.shape, generator=torch.Generator().manual_seed(5)))
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=9, kv_heads=Hk)
+    leaves = [q, k, v, wl, ll, fmap.weight, fmap.bias]
+    want = naive(q, expand(k, H), expand(v, H), wl, ll, w, phi=fmap)
+    calls = []
+    expand_kv = ops.expand_kv
+    monkeypatch.setattr(ops, "expand_kv", lambda *a: calls.append(1) or expand_kv(*a))
+    got = hybrid_attention_chunked(q, k, v, wl, ll, window=w, feature_map=fmap, chunk_size=w, slab_size=2 * w)
+    assert calls == [1]
+    assert_same(got, want)
+    for g_got, g_want in zip(grads(got, leaves), grads(want, leaves)):
+        assert_same(g_got, g_want)
+
+
+def test_chunked_gqa_shape_errors():
+    q = torch.randn(1, 6, 10, 8)
+    for k, v in [
+        (torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 8)),  # 6 % 4 != 0
+        (torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)),  # T differs
+        (torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)),  # D differs
+        (torch.randn(1, 2, 10, 8), torch.randn(1, 3, 10, 8)),  # v's heads differ from k's
+    ]:
+        with pytest.raises(ValueError, match="GQA"):
+            hybrid_attention_chunked(q, k, v, torch.zeros(6), torch.zeros(6), window=4)
+    with pytest.raises(ValueError, match="window_logit"):
+        hybrid_attention_chunked(q, q[:, :2], q[:, :2], torch.zeros(2), torch.zeros(6), window=4)

@@ -36,6 +36,8 @@ DOWN = REPO / "tests" / "slurm" / "down.sh"
 # SLURM has several gpu=1 jobs to keep apart (on a real cluster the rules ask for it when their
 # device is cuda).
 FAKE_GPU_RULES = ("transfer", "lora", "base_lora", "mmlu")
+# This one asks for the fake GPU by its model (up.sh: `Gres=gpu:testgpu:1`), through `gpu_model`.
+TYPED_GPU_RULE = "lora"
 # Rules that run on the submitting host (localrules in the workflow) or are not jobs at all.
 HOST_RULES = {"weights", "transfer_data", "instruct_data", "mmlu_download", "all"}
 # Deterministic artifacts a local run makes too, compared with the cluster's.
@@ -89,6 +91,8 @@ def site_profile(tmp: Path) -> Path:
             res["mem_mb"] = 1500
     for rule in FAKE_GPU_RULES:
         set_res.setdefault(rule, {})["gpu"] = 1
+    # one rule asks for the GPU by model, as a `cuda-<model>` device does in the real profile
+    set_res[TYPED_GPU_RULE]["gpu_model"] = "testgpu"
     prof["set-resources"] = set_res
     prof["set-threads"] = {rule: 1 for rule in prof.get("set-threads", {})}
     prof["slurm-init-seconds-before-status-checks"] = 2
@@ -118,6 +122,13 @@ def jobcomp_records(path: Path, run_id: str) -> dict[str, dict]:
         if rec.get("Name") == run_id:
             records[rec["JobId"]] = rec
     return records
+
+
+def scontrol_job(job_id: str) -> dict:
+    """`scontrol show job` fields of a job (finished jobs stay visible for MinJobAge, set by up.sh)."""
+    proc = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return parse_kv_line(proc.stdout)
 
 
 def slurm_logs(workdir: Path) -> dict[str, tuple[str, str]]:
@@ -236,6 +247,12 @@ def test_dag_on_slurm_matches_local_run(slurm_cluster, tmp_path):
     # the profile's partitions: training on `gpu`, cpu-device evaluation and plots on `cpu`
     part = {logs[j][0]: r["Partition"] for j, r in records.items()}
     assert part["transfer"] == "gpu" and part["mmlu"] == "cpu" and part["report"] == "cpu"
+
+    # --- the GPU requests SLURM got: typed for gpu_model, untyped for gpu=1, none for CPU jobs ---
+    for job, (rule, _) in logs.items():
+        tres = scontrol_job(job).get("TresPerJob", "")
+        want = {TYPED_GPU_RULE: "gres:gpu:testgpu:1"}.get(rule, "gres:gpu:1" if rule in FAKE_GPU_RULES else "")
+        assert tres == want, f"job {job} ({rule}) asked SLURM for {tres!r}, expected {want!r}"
 
     # --- the one GPU was never shared ---
     gpu_jobs = sorted(

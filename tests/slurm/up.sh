@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Bring up a single-node SLURM cluster on localhost (Debian 12 packages, no systemd).
 #
-# The node has the machine's real CPUs and (a bit less than) its real memory, plus one fake GPU
-# (gres.conf `File=/dev/null`) so that `--gpus=1` jobs are scheduled one at a time.
+# The node has the machine's real CPUs and (a bit less than) its real memory, plus one fake GPU of
+# model `testgpu` (gres.conf `Type=testgpu File=/dev/null`) so that `--gpus=1` jobs are scheduled
+# one at a time and `--gpus=testgpu:1` (a profile's `gpu_model`) can be told from another model.
 # Two partitions over the same node, `cpu` (default) and `gpu`, mirror the names used in
-# workflow/profiles/slurm/config.yaml. No accounting: status comes from squeue (MinJobAge=600),
+# workflow/profiles/slurm/config.yaml. No accounting: status comes from squeue (MinJobAge=3600),
 # per-job start/end times from the jobcomp/filetxt log.
 #
 # Idempotent: when the daemons already run with the same config it only waits for the node.
@@ -112,17 +113,18 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$JOBCOMP_LOG
-# squeue must still see finished jobs when the executor plugin polls (it needs >= 3x its interval)
-MinJobAge=600
+# squeue must still see finished jobs when the executor plugin polls (it needs >= 3x its interval),
+# and the test reads every job's GPU request with scontrol after the whole DAG has run
+MinJobAge=3600
 ReturnToService=2
 SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$real_mem Gres=gpu:1 State=UNKNOWN
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$real_mem Gres=gpu:testgpu:1 State=UNKNOWN
 PartitionName=cpu Nodes=$host Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu Nodes=$host MaxTime=INFINITE State=UP
 EOF
-gres_conf="NodeName=$host Name=gpu Count=1 File=/dev/null"
+gres_conf="NodeName=$host Name=gpu Type=testgpu Count=1 File=/dev/null"
 
 changed=0
 cmp -s "$new_conf" "$CONF" || changed=1

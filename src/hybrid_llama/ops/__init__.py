@@ -75,8 +75,8 @@ def hybrid_attention(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H);
-    returns ``[B, H, T, D]`` in q's dtype. The triton kernels read the KV heads in place; the torch
-    backends get k/v repeated to H heads first."""
+    returns ``[B, H, T, D]`` in q's dtype. The triton kernels and the chunked backend read the KV heads
+    in place; reference and seed_naive get k/v repeated to H heads first."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -102,7 +102,9 @@ def hybrid_attention(
                 pass
     from .chunked import hybrid_attention_chunked
 
-    return hybrid_attention_chunked(q, *expand_kv(q, k, v), window_logit, linear_logit, **kwargs)
+    # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
+    # per-head callable feature map).
+    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
 
 
 def hybrid_attention_step(

@@ -20,6 +20,13 @@ reused from the heap and stays in cache. Fewer, larger slabs also mean fewer par
 which matters when the cores are shared. The largest temporaries are one slab's window scores
 (``[B, H, P/w, w, 2w]``) and chunk states (``[B, H, P/C, F, D+1]``); no tensor of size O(T * D^2)
 or O(T^2) is ever built, and autograd works through plain torch ops.
+
+GQA: k/v may have ``H_kv`` heads with ``H % H_kv == 0`` (query head h reads KV head
+``h // (H / H_kv)``). Everything derived from the keys alone (the padded key slabs, phi(k), the
+chunk states ``[F, D+1]``, their prefix sums and the carried state) is computed once per KV head;
+the ``g = H / H_kv`` query heads of a group read it through a size-1 group dim that broadcasts
+against q viewed as ``[B, H_kv, g, ...]``. A callable feature map other than elu1 may be per head
+(``HedgehogFeatureMap`` is), so with one k/v are repeated to H heads first, as the dispatcher did.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FeatureMap, elu1, resolve_feature_map
 from .reference import check_inputs, combine, mixing_weights
 
 SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cache-sized, heap-reused)
@@ -44,6 +51,25 @@ def _pad_time(x: Tensor, before: int, after: int) -> Tensor:
 def default_chunk(window: int) -> int:
     """Linear-attention chunk: a multiple of the window near 64 (slabs must hold whole blocks of both)."""
     return window * max(1, round(64 / window))
+
+
+def _kv_groups(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Query heads per KV head, ``g = H / H_kv``; 1 for k/v at q's H heads (check_inputs checks those)."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape[1] == q.shape[1]:
+        return 1
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if (
+        kv_heads < 1
+        or heads % kv_heads
+        or (k.shape[0], *k.shape[2:]) != (q.shape[0], *q.shape[2:])
+        or v.dim() != 4
+        or v.shape[:3] != k.shape[:3]
+    ):
+        raise ValueError(
+            f"q, k, v must be [B, H, T, D] and [B, H_kv, T, D] with H % H_kv == 0 (GQA); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    return heads // kv_heads
 
 
 def hybrid_attention_chunked(
@@ -60,11 +86,21 @@ def hybrid_attention_chunked(
     chunk_size: int | None = None,
     slab_size: int | None = None,
 ) -> Tensor:
-    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    g = _kv_groups(q, k, v)  # query heads per KV head (GQA), 1 when k/v have H heads
+    if g > 1 and not (isinstance(feature_map, str) or feature_map is elu1):
+        # A callable map may be per head (HedgehogFeatureMap): it needs k at the H query heads.
+        from . import expand_kv  # (lazy: the package imports this module lazily too)
+
+        k, v = expand_kv(q, k, v)
+        g = 1
+    # With GQA the k/v shapes were checked above; check_inputs checks everything else against q.
+    check_inputs(q, k if g == 1 else q, v if g == 1 else q, window_logit, linear_logit, window, formulation,
+                 key_padding_mask)
     out_dtype = q.dtype
     phi = resolve_feature_map(feature_map)
     q, k, v = q.float(), k.float(), v.float()
     B, H, T, D = q.shape
+    Hk = H // g  # KV heads. Key-derived tensors are [B, Hk, 1, ...] against q's [B, Hk, g, ...].
     # With w >= T every window reaches position 0 and no key is old enough for the linear part, so
     # window T is the same op, and it keeps the block size (and the work) bounded by T. (Explicit
     # chunk sizes are the caller's block layout: keep w as given then.)
@@ -86,7 +122,7 @@ def hybrid_attention_chunked(
     band_bias = torch.zeros(w, 2 * w, device=q.device).masked_fill_(~band, float("-inf"))
 
     a, b = mixing_weights(window_logit, linear_logit)
-    carry = None  # [S | z] over every key before the slab, [B, H, F, D+1]
+    carry = None  # [S | z] over every key before the slab, [B, Hk, 1, F, D+1]
     outs, result, lower = [], None, None
     for t0 in range(0, T, P):
         t1 = min(t0 + P, T)
@@ -96,29 +132,31 @@ def hybrid_attention_chunked(
         lo = t0 - w + front
         # Keys of positions t0-w .. t0+Lp-1. Their first Lp rows are also the linear keys of this
         # slab: query t sees linear keys j <= t-w, i.e. the keys shifted right by w.
-        kw = _pad_time(k[:, :, lo:t1], front, Lp - L)  # [B, H, w + Lp, D]
+        kw = _pad_time(k[:, :, lo:t1], front, Lp - L)  # [B, Hk, w + Lp, D]
         vw = _pad_time(v[:, :, lo:t1], front, Lp - L)
         ok = F.pad(real[:, lo:t1], (front, Lp - L), value=False)  # [B, w + Lp]
         qs = _pad_time(q[:, :, t0:t1], 0, Lp - L)
         n, nc = Lp // w, Lp // C
 
         # ---- window part: blocks of w queries against the 2w keys ending at the block's end.
-        kk = kw.unfold(2, 2 * w, w)  # [B, H, n, D, 2w] (a view)
-        vv = vw.unfold(2, 2 * w, w).transpose(-1, -2)  # [B, H, n, 2w, D]
+        # Key blocks: unfold views with a size-1 group dim, [B, Hk, 1, n, D, 2w] and [B, Hk, 1, n, 2w, D].
+        # The matmuls copy them into their operand buffers anyway (unfold views are not strided
+        # batches), so broadcasting to the g query heads there costs what the copy always did.
+        kk = kw.unfold(2, 2 * w, w)[:, :, None]
+        vv = vw.unfold(2, 2 * w, w).transpose(-1, -2)[:, :, None]
         if key_padding_mask is None and front == 0:
             # Every key is real: only the band matters. One fused op: bias + scale * q k^T.
-            scores = torch.baddbmm(
-                band_bias, qs.reshape(B * H * n, w, D), kk.reshape(B * H * n, D, 2 * w), alpha=scale
-            ).view(B, H, n, w, 2 * w)
+            kb = kk.expand(B, Hk, g, n, D, 2 * w).reshape(B * H * n, D, 2 * w)
+            scores = torch.baddbmm(band_bias, qs.reshape(B * H * n, w, D), kb, alpha=scale).view(B, H, n, w, 2 * w)
             has_win = None
         else:
-            scores = torch.matmul(qs.reshape(B, H, n, w, D) * scale, kk)  # [B, H, n, w, 2w]
+            scores = torch.matmul(qs.reshape(B, Hk, g, n, w, D) * scale, kk).view(B, H, n, w, 2 * w)
             allowed = band & ok.unfold(1, 2 * w, w)[:, None, :, None, :]  # [B, 1, n, w, 2w]
             has_win = allowed.any(dim=-1, keepdim=True)
             # Rows without a real key get a dummy softmax (finite) and win_sum = 0 below.
             scores = scores.masked_fill(~(allowed | ~has_win), float("-inf"))
         p = torch.softmax(scores, dim=-1)
-        win_avg = torch.matmul(p, vv).reshape(B, H, Lp, D)
+        win_avg = torch.matmul(p.view(B, Hk, g, n, w, 2 * w), vv).reshape(B, H, Lp, D)
         if formulation == "lolcats":
             # sum_j exp(s_j - max s) = 1 / max_j softmax_j: recovers LoLCATs' unnormalised sum.
             win_sum = 1.0 / p.amax(dim=-1, keepdim=True)
@@ -130,29 +168,30 @@ def hybrid_attention_chunked(
         else:
             win_sum = p.new_ones(())  # hybrid only needs "the window is non-empty"
 
-        # ---- linear part: causal linear attention over the shifted keys, chunks of C.
+        # ---- linear part: causal linear attention over the shifted keys, chunks of C. phi(k), the
+        # chunk states, their prefix sums and the carry are per KV head ([B, Hk, 1, ...]).
         phi_q = phi(qs)
         Fd = phi_q.shape[-1]
         phi_k = phi(kw[:, :, :Lp])
         if key_padding_mask is not None or front:
             phi_k = phi_k * ok[:, None, :Lp, None]  # padded keys never enter S or z (phi(0) = 1)
         v1 = torch.cat([vw[:, :, :Lp], torch.ones_like(vw[:, :, :Lp, :1])], dim=-1)  # ones -> den
-        qc = phi_q.reshape(B, H, nc, C, Fd)
-        kc = phi_k.reshape(B, H, nc, C, Fd)
-        vc = v1.reshape(B, H, nc, C, D + 1)
-        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, H, nc, F, D+1]: each chunk's increment
+        qc = phi_q.reshape(B, Hk, g, nc, C, Fd)
+        kc = phi_k.reshape(B, Hk, 1, nc, C, Fd)
+        vc = v1.reshape(B, Hk, 1, nc, C, D + 1)
+        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, Hk, 1, nc, F, D+1]: each chunk's increment
         # State entering each chunk = carry + sum of the earlier chunks' increments: an exclusive
         # prefix sum, done as one small matmul with a strictly lower-triangular matrix (faster than
         # a strided cumsum on CPU).
         if lower is None or lower.shape[0] != nc:
             lower = torch.ones(nc, nc, dtype=q.dtype, device=q.device).tril_(-1)
-        state_in = torch.matmul(lower, kv.reshape(B, H, nc, -1)).view(B, H, nc, Fd, D + 1)
+        state_in = torch.matmul(lower, kv.reshape(B, Hk, 1, nc, -1)).view(B, Hk, 1, nc, Fd, D + 1)
         if carry is not None:
-            state_in = state_in + carry[:, :, None]
-            carry = carry + kv.sum(dim=2)
+            state_in = state_in + carry[:, :, :, None]
+            carry = carry + kv.sum(dim=3)
         else:
-            carry = kv.sum(dim=2)
-        intra = torch.matmul(qc, kc.transpose(-1, -2)).tril_()  # [B, H, nc, C, C], causal incl. diagonal
+            carry = kv.sum(dim=3)
+        intra = torch.matmul(qc, kc.transpose(-1, -2)).tril_()  # [B, Hk, g, nc, C, C], causal incl. diagonal
         lin = (torch.matmul(qc, state_in) + torch.matmul(intra, vc)).reshape(B, H, Lp, D + 1)
 
         if has_win is None and formulation == "hybrid":
