@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU measurement issue 6 asks for, in one go (about 10 minutes on an H100): the GPU tests,
-# the layer benchmark and the model-level benchmark. Runs from the repo root with the machine's own
+# Every GPU measurement issue 6 asks for: the GPU tests, the layer benchmark and the model-level
+# benchmark. Each step is capped (240 / 300 / 300 s); where one command may run at most 10 minutes
+# (the project's device tool), run the steps in separate calls: STEPS=tests, STEPS=layer, STEPS=model. Runs from the repo root with the machine's own
 # python3 (torch, triton, transformers, peft, pandas, safetensors, tokenizers, pytest preinstalled;
 # nothing is installed). Writes logs and JSON to $OUT (default results/gpu/), then copy the numbers
 # into docs/triton.md with the device name printed in versions.txt.
