@@ -77,6 +77,39 @@ def _key_ok(km_ptr, b, smb, rows, T, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _window_block(q, kbase, vbase, km_ptr, b, smb, tq, n, r, d, skt, svt, T, W, sm_scale,
+                  HAS_MASK: tl.constexpr, PREC: tl.constexpr):
+    """Key block [n, n+BLOCK) against the query rows tq: keys, values, scaled scores q.k and the
+    window mask (key real and in [t-w+1, t])."""
+    tk = n + r
+    k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+    kk = _load_rows(kbase, tk, skt, d, k_ok)
+    vv = _load_rows(vbase, tk, svt, d, k_ok)
+    s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
+    ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+    return kk, vv, s, ok
+
+
+@triton.jit
+def _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK: tl.constexpr, D: tl.constexpr):
+    """The chunk c0 and prefix state (S, z) that every query row of block [s0, s0+BLOCK) sees whole."""
+    c0 = tl.maximum(s0 - W, 0) // BLOCK
+    sbase = (b * HKV + hk) * NC1 + c0
+    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
+    z_pre = tl.load(z_ptr + sbase * D + d)
+    return c0, s_pre, z_pre
+
+
+@triton.jit
+def _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK: tl.constexpr):
+    """phi(k) (zero for padded keys) and v, in fp32, of the key rows tk."""
+    k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
+    pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
+    vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
+    return pk, vf
+
+
+@triton.jit
 def _kv_state_kernel(
     k_ptr, v_ptr, km_ptr, s_ptr, z_ptr,
     skb, skh, skt, svb, svh, svt, smb,
@@ -131,12 +164,8 @@ def _fwd_kernel(
     lo = (tl.maximum(s0 - W + 1, 0) // BLOCK) * BLOCK
     hi = tl.minimum(s0 + BLOCK, T)
     for n in range(lo, hi, BLOCK):
-        tk = n + r
-        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-        kk = _load_rows(kbase, tk, skt, d, k_ok)
-        vv = _load_rows(vbase, tk, svt, d, k_ok)
-        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
-        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        kk, vv, s, ok = _window_block(q, kbase, vbase, km_ptr, b, smb, tq, n, r, d, skt, svt, T, W, sm_scale,
+                                      HAS_MASK, PREC)
         s = tl.where(ok, s, float("-inf"))
         bmax = tl.max(s, 1)
         if LOLCATS:
@@ -152,17 +181,12 @@ def _fwd_kernel(
     # Linear: keys j <= t - w. Prefix state of the chunks every row of the block sees, then the
     # remaining keys (at most two blocks) under the exact mask.
     pq = phi(q.to(tl.float32))
-    c0 = tl.maximum(s0 - W, 0) // BLOCK
-    sbase = (b * HKV + hk) * NC1 + c0
-    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
-    z_pre = tl.load(z_ptr + sbase * D + d)
+    c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK, D)
     lin = tl.dot(pq, s_pre, input_precision=PREC)
     lden = tl.sum(pq * z_pre[None, :], 1)
     for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
         tk = n + r
-        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-        pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
-        vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
+        pk, vf = _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK)
         A = tl.dot(pq, tl.trans(pk), input_precision=PREC)
         A = tl.where(tk[None, :] <= tq[:, None] - W, A, 0.0)
         lin += tl.dot(A, vf, input_precision=PREC)
@@ -236,12 +260,8 @@ def _bwd_q_kernel(
     # Pass 1: the normalised window average ow = sum_j p_j v_j.
     ow = tl.zeros([BLOCK, D], tl.float32)
     for n in range(lo, hi, BLOCK):
-        tk = n + r
-        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-        kk = _load_rows(kbase, tk, skt, d, k_ok)
-        vv = _load_rows(vbase, tk, svt, d, k_ok)
-        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
-        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        kk, vv, s, ok = _window_block(q, kbase, vbase, km_ptr, b, smb, tq, n, r, d, skt, svt, T, W, sm_scale,
+                                      HAS_MASK, PREC)
         p = tl.where(ok, tl.exp(s - m_use[:, None]) / l_safe[:, None], 0.0)
         ow += tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
 
@@ -264,12 +284,8 @@ def _bwd_q_kernel(
     # Pass 2: dq from the window.
     dq = tl.zeros([BLOCK, D], tl.float32)
     for n in range(lo, hi, BLOCK):
-        tk = n + r
-        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-        kk = _load_rows(kbase, tk, skt, d, k_ok)
-        vv = _load_rows(vbase, tk, svt, d, k_ok)
-        s = tl.dot(q, tl.trans(kk), input_precision=PREC) * sm_scale
-        ok = (tk[None, :] <= tq[:, None]) & (tk[None, :] > tq[:, None] - W) & k_ok[None, :]
+        kk, vv, s, ok = _window_block(q, kbase, vbase, km_ptr, b, smb, tq, n, r, d, skt, svt, T, W, sm_scale,
+                                      HAS_MASK, PREC)
         p = tl.where(ok, tl.exp(s - m_use[:, None]) / l_safe[:, None], 0.0)
         dp = tl.dot(g.to(vv.dtype), tl.trans(vv), input_precision=PREC)
         ds = p * (dp - dt[:, None])
@@ -285,18 +301,13 @@ def _bwd_q_kernel(
     ldd = bw * dden  # dZ, the gradient of phi(q) . z
     dn = do * lsc[:, None]
     pq = phi(qf)
-    c0 = tl.maximum(s0 - W, 0) // BLOCK
-    sbase = (b * HKV + hk) * NC1 + c0
-    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
-    z_pre = tl.load(z_ptr + sbase * D + d)
+    c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK, D)
     lin = tl.dot(pq, s_pre, input_precision=PREC)
     lden = tl.sum(pq * z_pre[None, :], 1)
     dpq = tl.dot(dn, tl.trans(s_pre), input_precision=PREC) + ldd[:, None] * z_pre[None, :]
     for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
         tk = n + r
-        k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-        pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
-        vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
+        pk, vf = _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK)
         ok = tk[None, :] <= tq[:, None] - W
         A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
         lin += tl.dot(A, vf, input_precision=PREC)
