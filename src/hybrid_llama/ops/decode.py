@@ -123,6 +123,18 @@ def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
         return resolve_feature_map(feature_map)(k[:1, :, :1].float()).shape[-1]
 
 
+def check_step_shapes(q: Tensor, k: Tensor, v: Tensor, state: HybridState) -> None:
+    """q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` with H % H_kv == 0, and a state of H_kv heads with
+    ring buffers ``[B, H_kv, w, D]`` (every step backend checks its inputs with this)."""
+    if (q.dim() != 4 or k.dim() != 4 or q.shape[2] != 1 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]
+            or v.shape[:3] != k.shape[:3] or q.shape[1] % k.shape[1]
+            or state.k_window.shape != (k.shape[0], k.shape[1], state.window, q.shape[3])):
+        raise ValueError(
+            f"step expects q [B, H, 1, D], k/v [B, H_kv, 1, D] (H % H_kv == 0) and a state of H_kv heads; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, state k_window {tuple(state.k_window.shape)}"
+        )
+
+
 def hybrid_attention_step_torch(
     q: Tensor,
     k: Tensor,
@@ -139,12 +151,7 @@ def hybrid_attention_step_torch(
     head h reads KV head h // (H / H_kv); H_kv = H for expanded k/v). ``key_valid`` ``[B]`` (or
     ``[B, 1]``) bool, True = real. With H_kv < H the feature map must not depend on the head (elu1):
     the state's phi(k) is shared by the query heads of a group."""
-    if (q.dim() != 4 or k.dim() != 4 or q.shape[2] != 1 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]
-            or v.shape[:3] != k.shape[:3] or q.shape[1] % k.shape[1] or state.k_window.shape[1] != k.shape[1]):
-        raise ValueError(
-            f"step expects q [B, H, 1, D], k/v [B, H_kv, 1, D] (H % H_kv == 0) and a state of H_kv heads; got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, state heads {state.k_window.shape[1]}"
-        )
+    check_step_shapes(q, k, v, state)
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     B, H, _, D = q.shape

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode import HybridState
+from .decode import HybridState, check_step_shapes
 from .triton_common import (
     check_device,
     check_feature_map,
@@ -132,15 +132,12 @@ def hybrid_attention_step_triton(
     """
     check_feature_map(feature_map)
     lolcats = check_formulation(formulation)
-    if q.dim() != 4 or q.shape[2] != 1 or k.dim() != 4 or k.shape[2] != 1 or v.shape != k.shape:
-        raise ValueError(f"step expects q [B, H, 1, D], k/v [B, H_kv, 1, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    check_step_shapes(q, k, v, state)
+    if v.shape != k.shape:
+        raise ValueError(f"triton decode needs v shaped like k {tuple(k.shape)}, got {tuple(v.shape)}")
     B, H, _, D = q.shape
     HKV = k.shape[1]
     w = state.window
-    if H % HKV or k.shape[0] != B or k.shape[3] != D or state.k_window.shape != (B, HKV, w, D):
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)} and state k_window {tuple(state.k_window.shape)} do not match"
-        )
     check_head_dim(D)
     check_device(q)
     if state.S.shape != (B, HKV, D, D):
