@@ -76,12 +76,12 @@ def hybrid_attention(
 ) -> Tensor:
     """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H);
     returns ``[B, H, T, D]`` in q's dtype. The triton kernels and the chunked backend read the KV heads
-    in place; reference and seed_naive get k/v repeated to H heads first."""
+    in place; reference repeats them itself, seed_naive gets them repeated here."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
-        return hybrid_attention_reference(q, *expand_kv(q, k, v), window_logit, linear_logit, **kwargs)
+        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
     if backend == "seed_naive":
         if formulation != "hybrid" or feature_map != "elu1" or key_padding_mask is not None:
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")

@@ -53,25 +53,6 @@ def default_chunk(window: int) -> int:
     return window * max(1, round(64 / window))
 
 
-def _kv_groups(q: Tensor, k: Tensor, v: Tensor) -> int:
-    """Query heads per KV head, ``g = H / H_kv``; 1 for k/v at q's H heads (check_inputs checks those)."""
-    if q.dim() != 4 or k.dim() != 4 or k.shape[1] == q.shape[1]:
-        return 1
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if (
-        kv_heads < 1
-        or heads % kv_heads
-        or (k.shape[0], *k.shape[2:]) != (q.shape[0], *q.shape[2:])
-        or v.dim() != 4
-        or v.shape[:3] != k.shape[:3]
-    ):
-        raise ValueError(
-            f"q, k, v must be [B, H, T, D] and [B, H_kv, T, D] with H % H_kv == 0 (GQA); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    return heads // kv_heads
-
-
 def hybrid_attention_chunked(
     q: Tensor,
     k: Tensor,
@@ -86,16 +67,14 @@ def hybrid_attention_chunked(
     chunk_size: int | None = None,
     slab_size: int | None = None,
 ) -> Tensor:
-    g = _kv_groups(q, k, v)  # query heads per KV head (GQA), 1 when k/v have H heads
+    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    g = q.shape[1] // k.shape[1]  # query heads per KV head (GQA), 1 when k/v have H heads
     if g > 1 and not (isinstance(feature_map, str) or feature_map is elu1):
         # A callable map may be per head (HedgehogFeatureMap): it needs k at the H query heads.
         from . import expand_kv  # (lazy: the package imports this module lazily too)
 
         k, v = expand_kv(q, k, v)
         g = 1
-    # With GQA the k/v shapes were checked above; check_inputs checks everything else against q.
-    check_inputs(q, k if g == 1 else q, v if g == 1 else q, window_logit, linear_logit, window, formulation,
-                 key_padding_mask)
     out_dtype = q.dtype
     phi = resolve_feature_map(feature_map)
     q, k, v = q.float(), k.float(), v.float()

@@ -28,10 +28,11 @@ def check_inputs(
     formulation: str,
     key_padding_mask: Tensor | None,
 ) -> None:
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+    if (q.dim() != 4 or k.dim() != 4 or (k.shape[0], *k.shape[2:]) != (q.shape[0], *q.shape[2:])
+            or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3]):
         raise ValueError(
-            f"q, k, v must be [B, H, T, D] with equal B, H, T (k/v expanded for GQA); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"q, k, v must be [B, H, T, D], [B, H_kv, T, D], [B, H_kv, T, Dv] with H % H_kv == 0 (GQA; "
+            f"H_kv = H for expanded k/v); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     heads = q.shape[1]
     for name, logit in (("window_logit", window_logit), ("linear_logit", linear_logit)):
@@ -101,7 +102,8 @@ def hybrid_attention_reference(
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     out_dtype = q.dtype
     phi = resolve_feature_map(feature_map)
-    q, k, v = q.float(), k.float(), v.float()
+    groups = q.shape[1] // k.shape[1]  # GQA: query head h reads KV head h // groups
+    q, k, v = q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
     T, D = q.shape[2], q.shape[3]
 
     pos = torch.arange(T, device=q.device)
