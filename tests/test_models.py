@@ -47,9 +47,12 @@ def randomize_hybrid_params(model, seed: int = 0) -> None:
                     p.add_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def naive_hybrid(q, k, v, window_logit, linear_logit, window, key_valid=None, formulation="hybrid", phi=None):
-    """O(T^2) masked transcription of docs/design.md, written independently of hybrid_llama.ops."""
+def naive_hybrid(q, k, v, window_logit, linear_logit, window, key_valid=None, formulation="hybrid", phi=None,
+                 k_features=None):
+    """O(T^2) masked transcription of docs/design.md, written independently of hybrid_llama.ops.
+    ``phi`` maps the queries (and the keys, unless their features ``k_features`` are given)."""
     phi = phi or (lambda x: F.elu(x) + 1)
+    k_features = phi(k) if k_features is None else k_features
     B, H, T, D = q.shape
     i = torch.arange(T)[:, None]
     j = torch.arange(T)[None, :]
@@ -66,7 +69,7 @@ def naive_hybrid(q, k, v, window_logit, linear_logit, window, key_valid=None, fo
     m = s.masked_fill(~win, -torch.inf).amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m) * win
-    lin_w = (phi(q) @ phi(k).transpose(-1, -2)) * lin
+    lin_w = (phi(q) @ k_features.transpose(-1, -2)) * lin
     if formulation == "hybrid":
         has_win = win.any(-1, keepdim=True)
         win_out = (e @ v) / e.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -136,7 +139,8 @@ def test_hybrid_parameter_names(tiny_model):
     prefix = "model.layers.1.self_attn."
     assert set(names) == {prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                                                "mixing.window_logit", "mixing.linear_logit",
-                                               "feature_map.weight", "feature_map.bias")}
+                                               "feature_map.q.weight", "feature_map.q.bias",
+                                               "feature_map.k.weight", "feature_map.k.bias")}
     params = dict(model.named_parameters())
     assert all(n in params for n in names)
 
@@ -212,11 +216,15 @@ def test_layer_matches_naive_formula(tiny_model, formulation, feature_map, mask_
         out, weights = layer(x, position_embeddings=(cos, sin), attention_mask=mask)
         H, Hkv, D = 4, 2, model.config.hidden_size // 4
         q = rope(attn.q_proj(x).view(B, T, H, D).transpose(1, 2), cos, sin)
-        k = rope(attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin).repeat_interleave(H // Hkv, dim=1)
+        k_kv = rope(attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)
+        k = k_kv.repeat_interleave(H // Hkv, dim=1)
         v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
-        phi = None if feature_map == "elu1" else layer.feature_map
+        # Hedgehog: a query map per query head, a key map per KV head (its features shared by the group).
+        phi = None if feature_map == "elu1" else layer.feature_map.q
+        k_features = None if feature_map == "elu1" else layer.feature_map.k(k_kv).repeat_interleave(H // Hkv, dim=1)
         ref = naive_hybrid(q, k, v, layer.mixing.window_logit, layer.mixing.linear_logit, 3,
-                           key_valid=None if mask_kind == "none" else valid, formulation=formulation, phi=phi)
+                           key_valid=None if mask_kind == "none" else valid, formulation=formulation, phi=phi,
+                           k_features=k_features)
         expected = attn.o_proj(ref.transpose(1, 2).reshape(B, T, -1))
     assert weights is None
     assert torch.allclose(out[valid], expected[valid], atol=1e-5, rtol=1e-4)

@@ -340,7 +340,7 @@ def test_transfer_hedgehog_trains_feature_map_and_round_trips(tiny_model_dir, co
                         _transfer_cfg(epochs=1, max_steps=3, eval_sequences=2), tmp_path)
     assert m["trainable"] == ["feature_map", "k_proj", "mixing", "o_proj", "q_proj", "v_proj"]
     saved = load_file(str(tmp_path / "hybrid_layers.safetensors"))
-    assert not torch.equal(saved["model.layers.1.self_attn.feature_map.weight"],
+    assert not torch.equal(saved["model.layers.1.self_attn.feature_map.q.weight"],
                            torch.eye(16).expand(4, 16, 16))  # identity at init, trained since
     model, _ = load_stage(tiny_model_dir, "transfer", hybrid=hyb, hybrid_layers=tmp_path / "hybrid_layers.safetensors")
     got = dict(model.named_parameters())

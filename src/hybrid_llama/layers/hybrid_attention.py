@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from hybrid_llama.ops import HybridState, HedgehogFeatureMap, hybrid_attention, hybrid_attention_step, prefill_state
+from hybrid_llama.ops.reference import FORMULATIONS
 
-FORMULATIONS = ("hybrid", "lolcats")
 FEATURE_MAPS = ("elu1", "hedgehog")
 
 
@@ -78,11 +78,31 @@ class Elu1FeatureMap(nn.Module):
         return F.elu(x) + 1.0
 
 
-def make_feature_map(kind: str, num_heads: int, head_dim: int) -> nn.Module:
+class QKFeatureMaps(nn.Module):
+    """Learnable maps for queries (``.q``, one per query head) and keys (``.k``, one per KV head).
+
+    Keys are mapped at the KV heads (GQA), so the linear state ``S, z`` is kept once per KV head, as
+    for elu1; each query head still has its own query map. The ops get them as a (query_map, key_map)
+    pair (``op_feature_map``).
+    """
+
+    def __init__(self, q: nn.Module, k: nn.Module) -> None:
+        super().__init__()
+        self.q, self.k = q, k
+        self.out_features = k.out_features
+
+    @property
+    def op_feature_map(self) -> tuple[nn.Module, nn.Module]:
+        return self.q, self.k
+
+
+def make_feature_map(kind: str, num_heads: int, head_dim: int, num_kv_heads: int | None = None) -> nn.Module:
+    """The ``.feature_map`` of a hybrid layer: parameter-free elu1, or Hedgehog maps for queries
+    (``num_heads``) and keys (``num_kv_heads``, default ``num_heads``)."""
     if kind == "elu1":
         return Elu1FeatureMap(head_dim)
     if kind == "hedgehog":
-        return HedgehogFeatureMap(num_heads, head_dim)
+        return QKFeatureMaps(HedgehogFeatureMap(num_heads, head_dim), HedgehogFeatureMap(num_kv_heads or num_heads, head_dim))
     raise ValueError(f"unknown feature_map {kind!r}; use one of {FEATURE_MAPS}")
 
 
@@ -222,11 +242,13 @@ class HybridLlamaAttention(LlamaAttention):
         self.hybrid = hybrid
         self.num_heads = config.num_attention_heads
         self.mixing = MixingLogits(self.num_heads)
-        self.feature_map = make_feature_map(hybrid.feature_map, self.num_heads, self.head_dim)
+        self.feature_map = make_feature_map(
+            hybrid.feature_map, self.num_heads, self.head_dim, config.num_key_value_heads
+        )
 
     def _op_feature_map(self):
-        # elu1 goes by name so backends can use their fused path; learnable maps go as the module.
-        return "elu1" if isinstance(self.feature_map, Elu1FeatureMap) else self.feature_map
+        # elu1 goes by name so backends can use their fused path; learnable maps go as modules.
+        return "elu1" if isinstance(self.feature_map, Elu1FeatureMap) else self.feature_map.op_feature_map
 
     def forward(
         self,
@@ -243,12 +265,8 @@ class HybridLlamaAttention(LlamaAttention):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if not isinstance(self.feature_map, Elu1FeatureMap):
-            # A per-head learnable map gives each query head its own phi(k): k/v must be per query head.
-            k = repeat_kv(k, self.num_key_value_groups)
-            v = repeat_kv(v, self.num_key_value_groups)
-        # else k/v stay at the KV heads (GQA): the triton kernels index them, and the decode state
-        # (window buffers, S, z) is kept once per KV head instead of once per query head.
+        # k/v stay at the KV heads (GQA): the kernels index them, and the decode state (window
+        # buffers, S, z) is kept once per KV head instead of once per query head.
 
         q_len = q.shape[2]
         valid = keys_valid_from_mask(attention_mask, q_len)

@@ -22,7 +22,7 @@ from typing import Callable
 from torch import Tensor
 
 from .decode import HybridState, hybrid_attention_step_torch, init_state, prefill_state
-from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1
+from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1
 from .reference import hybrid_attention_reference
 
 __all__ = [
@@ -83,7 +83,7 @@ def hybrid_attention(
     if backend == "reference":
         return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
     if backend == "seed_naive":
-        if formulation != "hybrid" or feature_map != "elu1" or key_padding_mask is not None:
+        if formulation != "hybrid" or not is_elu1(feature_map) or key_padding_mask is not None:
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
         from .seed_naive import hybrid_attention_seed_naive
 

@@ -25,8 +25,11 @@ GQA: k/v may have ``H_kv`` heads with ``H % H_kv == 0`` (query head h reads KV h
 ``h // (H / H_kv)``). Everything derived from the keys alone (the padded key slabs, phi(k), the
 chunk states ``[F, D+1]``, their prefix sums and the carried state) is computed once per KV head;
 the ``g = H / H_kv`` query heads of a group read it through a size-1 group dim that broadcasts
-against q viewed as ``[B, H_kv, g, ...]``. A callable feature map other than elu1 may be per head
-(``HedgehogFeatureMap`` is), so with one k/v are repeated to H heads first, as the dispatcher did.
+against q viewed as ``[B, H_kv, g, ...]``. A (query_map, key_map) pair keeps this layout (the key map
+works at the KV heads); a single callable map other than elu1 may be per head (``HedgehogFeatureMap``
+is), so with one k/v are repeated to H heads first.
+
+``formulation="window"`` (the window-only control) skips the linear part altogether.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, elu1, resolve_feature_map
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .reference import check_inputs, combine, mixing_weights
 
 SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cache-sized, heap-reused)
@@ -46,6 +49,18 @@ SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cac
 def _pad_time(x: Tensor, before: int, after: int) -> Tensor:
     """Zero-pad dim 2 (time) of ``[B, H, T, X]``."""
     return F.pad(x, (0, 0, before, after)) if before or after else x
+
+
+def _emit(out: Tensor, outs: list[Tensor], result: Tensor | None, t0: int, T: int, P: int) -> Tensor | None:
+    """Keep one slab's output: written in place into ``result`` at inference (no final cat), else
+    collected in ``outs`` for autograd. Returns ``result`` (allocated on the first inference slab)."""
+    if not out.requires_grad and result is None and P < T:
+        result = out.new_empty(*out.shape[:2], T, out.shape[-1])
+    if result is not None:
+        result[:, :, t0 : t0 + out.shape[2]] = out
+    else:
+        outs.append(out)
+    return result
 
 
 def default_chunk(window: int) -> int:
@@ -69,14 +84,13 @@ def hybrid_attention_chunked(
 ) -> Tensor:
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     g = q.shape[1] // k.shape[1]  # query heads per KV head (GQA), 1 when k/v have H heads
-    if g > 1 and not (isinstance(feature_map, str) or feature_map is elu1):
-        # A callable map may be per head (HedgehogFeatureMap): it needs k at the H query heads.
+    if g > 1 and keys_need_query_heads(feature_map):
         from . import expand_kv  # (lazy: the package imports this module lazily too)
 
         k, v = expand_kv(q, k, v)
         g = 1
     out_dtype = q.dtype
-    phi = resolve_feature_map(feature_map)
+    phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     q, k, v = q.float(), k.float(), v.float()
     B, H, T, D = q.shape
     Hk = H // g  # KV heads. Key-derived tensors are [B, Hk, 1, ...] against q's [B, Hk, g, ...].
@@ -146,12 +160,16 @@ def hybrid_attention_chunked(
             win_sum = has_win.to(q.dtype).reshape(B, 1, Lp, 1)
         else:
             win_sum = p.new_ones(())  # hybrid only needs "the window is non-empty"
+        if formulation == "window":
+            out = win_avg if has_win is None else win_avg * has_win.to(q.dtype).reshape(B, 1, Lp, 1)
+            result = _emit(out[:, :, :L], outs, result, t0, T, P)
+            continue
 
         # ---- linear part: causal linear attention over the shifted keys, chunks of C. phi(k), the
         # chunk states, their prefix sums and the carry are per KV head ([B, Hk, 1, ...]).
-        phi_q = phi(qs)
+        phi_q = phi_q_map(qs)
         Fd = phi_q.shape[-1]
-        phi_k = phi(kw[:, :, :Lp])
+        phi_k = phi_k_map(kw[:, :, :Lp])
         if key_padding_mask is not None or front:
             phi_k = phi_k * ok[:, None, :Lp, None]  # padded keys never enter S or z (phi(0) = 1)
         v1 = torch.cat([vw[:, :, :Lp], torch.ones_like(vw[:, :, :Lp, :1])], dim=-1)  # ones -> den
@@ -178,13 +196,7 @@ def hybrid_attention_chunked(
             out = torch.addcmul(win_avg * a, lin[..., :D], b) / torch.addcmul(a, lin[..., D:], b)
         else:
             out = combine(formulation, a, b, win_avg, win_sum, lin[..., :D], lin[..., D:])
-        out = out[:, :, :L]
-        if not out.requires_grad and result is None and P < T:
-            result = out.new_empty(B, H, T, D)  # inference: write slabs in place, no final cat
-        if result is not None:
-            result[:, :, t0:t1] = out
-        else:
-            outs.append(out)
+        result = _emit(out[:, :, :L], outs, result, t0, T, P)
     if result is None:
         result = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return result.to(out_dtype)

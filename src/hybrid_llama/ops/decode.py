@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, HedgehogFeatureMap, feature_dim_of, resolve_feature_map
+from .feature_maps import FeatureMap, feature_dim_of, keys_need_query_heads, resolve_qk_maps
 from .reference import FORMULATIONS, combine, mixing_weights
 
 
@@ -91,7 +91,7 @@ def prefill_state(
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = k.shape
-    phi = resolve_feature_map(feature_map)
+    phi_k = resolve_qk_maps(feature_map)[1]
     real = (
         key_padding_mask
         if key_padding_mask is not None
@@ -103,9 +103,9 @@ def prefill_state(
     state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
     n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
     if n_lin > 0:
-        phi_k = phi(k[:, :, :n_lin].float()) * real[:, None, :n_lin, None]
-        state.S = torch.matmul(phi_k.transpose(-1, -2), v[:, :, :n_lin].float())
-        state.z = phi_k.sum(dim=2)
+        k_features = phi_k(k[:, :, :n_lin].float()) * real[:, None, :n_lin, None]
+        state.S = torch.matmul(k_features.transpose(-1, -2), v[:, :, :n_lin].float())
+        state.z = k_features.sum(dim=2)
     kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
     slots = kept % window
     k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
@@ -120,7 +120,7 @@ def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
     try:
         return feature_dim_of(feature_map, k.shape[-1])
     except ValueError:  # an arbitrary callable: measure it on one token
-        return resolve_feature_map(feature_map)(k[:1, :, :1].float()).shape[-1]
+        return resolve_qk_maps(feature_map)[1](k[:1, :, :1].float()).shape[-1]
 
 
 def check_step_shapes(q: Tensor, k: Tensor, v: Tensor, state: HybridState) -> None:
@@ -149,17 +149,21 @@ def hybrid_attention_step_torch(
 ) -> tuple[Tensor, HybridState]:
     """One token: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` and a state of H_kv heads (GQA: query
     head h reads KV head h // (H / H_kv); H_kv = H for expanded k/v). ``key_valid`` ``[B]`` (or
-    ``[B, 1]``) bool, True = real. With H_kv < H the feature map must not depend on the head (elu1):
-    the state's phi(k) is shared by the query heads of a group."""
+    ``[B, 1]``) bool, True = real. With H_kv < H the key features must be per KV head (elu1, or a
+    (query_map, key_map) pair whose key map has H_kv heads): the state's phi(k) is shared by the
+    query heads of a group."""
     check_step_shapes(q, k, v, state)
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     B, H, _, D = q.shape
     kv_heads = k.shape[1]
-    if kv_heads != H and isinstance(feature_map, HedgehogFeatureMap):
-        raise ValueError("a per-head HedgehogFeatureMap needs k/v and the state expanded to the query heads")
+    if kv_heads != H and keys_need_query_heads(feature_map):
+        raise ValueError(
+            "a single per-head feature map (e.g. HedgehogFeatureMap) needs k/v and the state expanded to the "
+            "query heads; pass a (query_map, key_map) pair to keep them at the KV heads"
+        )
     w = state.window
-    phi = resolve_feature_map(feature_map)
+    phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     valid_new = (
         torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).to(torch.bool)
     )
@@ -170,7 +174,7 @@ def hybrid_attention_step_torch(
         # Slot `slot` holds position seen-w, which leaves the window now: fold it into S, z.
         old_k = state.k_window[:, :, slot : slot + 1].float()  # [B, H, 1, D]
         old_v = state.v_window[:, :, slot : slot + 1].float()
-        phi_old = phi(old_k) * state.window_valid[:, None, slot : slot + 1, None]  # [B, H, 1, F]
+        phi_old = phi_k_map(old_k) * state.window_valid[:, None, slot : slot + 1, None]  # [B, H_kv, 1, F]
         S = S + torch.matmul(phi_old.transpose(-1, -2), old_v)
         z = z + phi_old[:, :, 0]
     # Out-of-place writes keep old states intact (and autograd happy); the buffers are only w long.
@@ -190,7 +194,7 @@ def hybrid_attention_step_torch(
     win_sum = p.sum(dim=-1, keepdim=True)
     win_avg = torch.matmul(p, v_window.float()) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
 
-    phi_q = phi(qf)  # [B, H_kv, g, F]
+    phi_q = phi_q_map(q.float()).reshape(B, kv_heads, H // kv_heads, -1)  # [B, H_kv, g, F]
     lin_num = torch.matmul(phi_q, S)
     lin_den = torch.matmul(phi_q, z.unsqueeze(-1))
 

@@ -2,6 +2,11 @@
 
 Every map takes ``[B, H, T, D]`` and returns strictly positive features ``[B, H, T, F]``; positivity
 keeps the linear normalizer ``phi(q) . sum phi(k)`` above zero.
+
+The ops take ``feature_map`` as ``"elu1"`` (fused where a backend can), one callable applied to both
+queries and keys, or a pair ``(query_map, key_map)``. A pair lets the key map work at the KV heads
+(GQA): the key features, and so the linear state, stay once per KV head while each query head has
+its own query map.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-FeatureMap = Union[str, Callable[[Tensor], Tensor]]
+FeatureMap = Union[str, Callable[[Tensor], Tensor], tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]
 
 
 def elu1(x: Tensor) -> Tensor:
@@ -53,8 +58,34 @@ class HedgehogFeatureMap(nn.Module):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
 
 
+def is_elu1(feature_map: FeatureMap) -> bool:
+    """True for the parameter-free elu1 map (by name or as the function), which backends may fuse."""
+    return feature_map is elu1 or (isinstance(feature_map, str) and feature_map == "elu1")
+
+
+def is_pair(feature_map: FeatureMap) -> bool:
+    """True for a ``(query_map, key_map)`` pair."""
+    return isinstance(feature_map, (tuple, list)) and len(feature_map) == 2
+
+
+def resolve_qk_maps(feature_map: FeatureMap) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """(map for queries, map for keys) of the ``feature_map`` argument of the ops."""
+    if is_pair(feature_map):
+        return resolve_feature_map(feature_map[0]), resolve_feature_map(feature_map[1])
+    phi = resolve_feature_map(feature_map)
+    return phi, phi
+
+
+def keys_need_query_heads(feature_map: FeatureMap) -> bool:
+    """A single callable other than elu1 may be per head (a HedgehogFeatureMap of H heads), so it must
+    see k expanded to the query heads; elu1 and a (query_map, key_map) pair read k at the KV heads."""
+    return not (is_elu1(feature_map) or is_pair(feature_map))
+
+
 def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
-    """Turn the ``feature_map`` argument of the ops into a callable."""
+    """Turn one map (a name or a callable) into a callable."""
+    if is_pair(feature_map):
+        raise ValueError("a (query_map, key_map) pair has two maps: use resolve_qk_maps")
     if callable(feature_map):
         return feature_map
     if feature_map == "elu1":
@@ -67,10 +98,12 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
 
 
 def feature_dim_of(feature_map: FeatureMap, head_dim: int) -> int:
-    """Width F of the features a map produces for ``head_dim`` inputs."""
+    """Width F of the features a map produces for ``head_dim`` inputs (the key map's, for a pair)."""
+    if is_pair(feature_map):
+        return feature_dim_of(feature_map[1], head_dim)
     if isinstance(feature_map, HedgehogFeatureMap):
         return feature_map.out_features
-    if feature_map == "elu1" or feature_map is elu1:
+    if is_elu1(feature_map):
         return head_dim
     out_features = getattr(feature_map, "out_features", None)
     if out_features is not None:

@@ -13,9 +13,11 @@ import math
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 
-FORMULATIONS = ("hybrid", "lolcats")
+# hybrid: the published recreation's two normalizers; lolcats: one shared normalizer; window: the
+# softmax window alone (the linear part switched off: the window-only control).
+FORMULATIONS = ("hybrid", "lolcats", "window")
 
 
 def check_inputs(
@@ -74,6 +76,9 @@ def combine(
     ``[..., D]`` and ``[..., 1]``; ``a`` and ``b`` broadcast against them.
     """
     has_win = (win_sum > 0).to(win_sum.dtype)
+    if formulation == "window":
+        # The linear part is not there: the window's softmax average, zeros with no real key.
+        return win_avg * has_win
     if formulation == "hybrid":
         # The softmax average enters with weight a; a query whose window holds no real key drops
         # the term from both numerator and denominator.
@@ -101,9 +106,12 @@ def hybrid_attention_reference(
 ) -> Tensor:
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     out_dtype = q.dtype
-    phi = resolve_feature_map(feature_map)
+    phi_q, phi_k = resolve_qk_maps(feature_map)
     groups = q.shape[1] // k.shape[1]  # GQA: query head h reads KV head h // groups
-    q, k, v = q.float(), k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+    q, k_kv, v = q.float(), k.float(), v.float().repeat_interleave(groups, 1)
+    k = k_kv.repeat_interleave(groups, 1)
+    # A key map of a (query_map, key_map) pair works at the KV heads; one per-head map at the query heads.
+    k_features = phi_k(k) if keys_need_query_heads(feature_map) else phi_k(k_kv).repeat_interleave(groups, 1)
     T, D = q.shape[2], q.shape[3]
 
     pos = torch.arange(T, device=q.device)
@@ -126,7 +134,7 @@ def hybrid_attention_reference(
     win_avg = torch.matmul(p, v) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
 
     # Linear part: phi(q_t) . phi(k_j) over keys that left the window.
-    lin_scores = torch.matmul(phi(q), phi(k).transpose(-1, -2)) * lin_mask
+    lin_scores = torch.matmul(phi_q(q), k_features.transpose(-1, -2)) * lin_mask
     lin_num = torch.matmul(lin_scores, v)
     lin_den = lin_scores.sum(dim=-1, keepdim=True)
 

@@ -9,10 +9,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .feature_maps import elu1
+from .feature_maps import is_elu1
+from .reference import FORMULATIONS
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-FORMULATIONS = ("hybrid", "lolcats")
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def dphi(x):
 
 def check_feature_map(feature_map) -> None:
     """Only elu1 is fused; anything else makes the dispatcher fall back to the torch backends."""
-    if not (feature_map == "elu1" or feature_map is elu1):
+    if not is_elu1(feature_map):
         raise NotImplementedError(f"triton backend supports feature_map='elu1' only, got {feature_map!r}")
 
 
@@ -37,6 +37,8 @@ def check_formulation(formulation: str) -> bool:
     """Return True for lolcats."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
+    if formulation == "window":
+        raise NotImplementedError("triton backend: formulation='window' runs on the chunked backend")
     return formulation == "lolcats"
 
 
