@@ -193,3 +193,25 @@ def test_gqa_step_rejects_per_head_feature_map_and_wrong_state():
                               feature_map=hedgehog(4, 8))
     with pytest.raises(ValueError, match="state of H_kv heads"):
         hybrid_attention_step(q, k[:, :2], v[:, :2], init_state(1, 4, 8, 4), wl, ll)
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("T,w", [(5, 4), (30, 8)])
+def test_query_key_map_pair_decodes_at_kv_heads(formulation, T, w):
+    """Hedgehog as a (query_map, key_map) pair: the state stays at the KV heads with width F = 2D,
+    the steps equal the parallel op, and prefill_state equals the steps."""
+    B, H, Hkv, D = 2, 4, 2, 8
+    q, k, v, wl, ll = inputs(B, H, T, D, seed=5)
+    k, v = k[:, :Hkv], v[:, :Hkv]
+    fm = (hedgehog(H, D), hedgehog(Hkv, D))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.no_grad():
+        want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", formulation=formulation,
+                                feature_map=fm, key_padding_mask=mask)
+        got, state = run_steps(q, k, v, wl, ll, init_state(B, Hkv, D, w, feature_dim=2 * D), mask,
+                               formulation=formulation, feature_map=fm)
+        pre = prefill_state(k, v, window=w, feature_map=fm, key_padding_mask=mask)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert state.S.shape == (B, Hkv, 2 * D, D)
+    assert_states_equal(pre, state)

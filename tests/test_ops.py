@@ -25,13 +25,17 @@ def wsum(weights, values):
     return (weights[..., None] * values).sum(dim=-2)
 
 
-def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi=None, mask=None):
-    """out[b, :, t] for every (b, t), straight from the definition."""
+def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi=None, mask=None, k_features=None):
+    """out[b, :, t] for every (b, t), straight from the definition. ``phi`` maps the queries (and the
+    keys, unless their features ``k_features`` [B, H, T, F] are given); "window" drops the linear part."""
     phi = phi or (lambda x: F.elu(x) + 1)
     B, H, T, D = q.shape
     a = torch.sigmoid(window_logit)[:, None]  # [H, 1]
-    b = torch.sigmoid(linear_logit)[:, None]
-    pq, pk = phi(q), phi(k)
+    b = torch.sigmoid(linear_logit)[:, None] if formulation != "window" else torch.zeros(H, 1)
+    if formulation == "window":
+        a = torch.ones(H, 1)
+    pq = phi(q)
+    pk = phi(k) if k_features is None else k_features
     rows = []
     for bi in range(B):
         cols = []
@@ -44,7 +48,7 @@ def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi
             if win:
                 s = (q[bi, :, t, None, :] * k[bi, :, win]).sum(-1) / math.sqrt(D)  # [H, |win|]
                 e = torch.exp(s - s.max(dim=-1, keepdim=True).values)
-                if formulation == "hybrid":
+                if formulation in ("hybrid", "window"):
                     num = num + a * wsum(e / e.sum(-1, keepdim=True), v[bi, :, win])
                     den = den + a
                 else:
@@ -54,7 +58,7 @@ def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi
                 ls = (pq[bi, :, t, None, :] * pk[bi, :, lin]).sum(-1)  # [H, |lin|]
                 num = num + b * wsum(ls, v[bi, :, lin])
                 den = den + b * ls.sum(-1, keepdim=True)
-            cols.append(num / den if (win or lin) else num)
+            cols.append(num / den if (den > 0).all() else num)
         rows.append(torch.stack(cols, dim=1))
     return torch.stack(rows)
 
@@ -410,3 +414,77 @@ def test_chunked_gqa_shape_errors():
             hybrid_attention_chunked(q, k, v, torch.zeros(6), torch.zeros(6), window=4)
     with pytest.raises(ValueError, match="window_logit"):
         hybrid_attention_chunked(q, q[:, :2], q[:, :2], torch.zeros(2), torch.zeros(6), window=4)
+
+
+def perturbed_hedgehog(heads, D, seed, feature_dim=None):
+    fmap = HedgehogFeatureMap(heads, D, feature_dim=feature_dim)
+    with torch.no_grad():  # move away from the identity init so the map matters
+        fmap.weight.add_(0.3 * torch.randn(fmap.weight.shape, generator=torch.Generator().manual_seed(seed)))
+        fmap.bias.add_(0.1 * torch.randn(fmap.bias.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return fmap
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_query_key_map_pair_with_gqa(backend, formulation, padded):
+    """A (query_map, key_map) pair: the key map works at the KV heads, its features are shared by
+    the query heads of a group; gradients reach both maps' parameters."""
+    B, H, Hk, T, D, w = 2, 4, 2, 29, 8, 4
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=3, kv_heads=Hk)
+    fq, fk = perturbed_hedgehog(H, D, 11), perturbed_hedgehog(Hk, D, 13)
+    mask = None
+    if padded:
+        mask = torch.ones(B, T, dtype=torch.bool)
+        mask[1, :6] = False
+    leaves = [q, k, v, wl, ll, fq.weight, fq.bias, fk.weight, fk.bias]
+    want = naive(q, expand(k, H), expand(v, H), wl, ll, w, formulation, phi=fq, mask=mask,
+                 k_features=expand(fk(k), H))
+    got = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation=formulation, feature_map=(fq, fk),
+                            key_padding_mask=mask)
+    assert_same(got, want)
+    for g_got, g_want in zip(grads(got, leaves), grads(want, leaves)):
+        assert_same(g_got, g_want)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_window_formulation_is_sliding_window_softmax(backend):
+    """formulation='window' is softmax over the last w keys, whatever the logits."""
+    B, H, T, D, w = 2, 2, 23, 8, 5
+    q, k, v, wl, ll = make_inputs(B, H, T, D, seed=4)
+    band = torch.ones(T, T, dtype=torch.bool).tril() & ~torch.ones(T, T, dtype=torch.bool).tril(-w)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+    got = BACKENDS[backend](q, k, v, wl, ll, window=w, formulation="window")
+    assert_same(got, want)
+    g_ll = torch.autograd.grad(got.sum(), ll, allow_unused=True, materialize_grads=True)[0]
+    assert torch.equal(g_ll, torch.zeros_like(ll))
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("fmap", ["elu1", "pair"])
+def test_window_share_splits_the_output(formulation, fmap):
+    """The output is share * (window average) + (1 - share) * (linear average), per query: solve for
+    the share from three runs of the op (full, window-only, linear-only) and compare."""
+    from hybrid_llama.ops.reference import window_share
+
+    B, H, Hk, T, D, w = 1, 4, 2, 40, 8, 6
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, T, D, seed=8, kv_heads=Hk))
+    feature_map = "elu1" if fmap == "elu1" else (perturbed_hedgehog(H, D, 1), perturbed_hedgehog(Hk, D, 2))
+    run = lambda f, wl_, ll_: hybrid_attention(q, k, v, wl_, ll_, window=w, formulation=f, feature_map=feature_map,  # noqa: E731
+                                               backend="reference")
+    with torch.no_grad():
+        full = run(formulation, wl, ll)
+        win_avg = run("window", wl, ll)
+        lin_avg = run("hybrid", torch.full_like(wl, -1e4), ll)  # a = 0: the linear readout alone
+        pos = torch.tensor([0, 5, 6, 20, 39])
+        share = window_share(q, k, wl, ll, window=w, formulation=formulation, feature_map=feature_map,
+                             query_positions=pos)
+    assert share.shape == (B, H, len(pos))
+    if formulation == "window":
+        assert torch.equal(share, torch.ones_like(share))
+        return
+    solved = ((full - lin_avg) / (win_avg - lin_avg))[:, :, pos]  # [B, H, Q, D]: the same in every channel
+    has_lin = pos >= w
+    torch.testing.assert_close(solved[:, :, has_lin], share[:, :, has_lin, None].expand_as(solved[:, :, has_lin]),
+                               atol=1e-4, rtol=1e-3)
+    assert torch.equal(share[:, :, ~has_lin], torch.ones_like(share[:, :, ~has_lin]))  # no old keys yet

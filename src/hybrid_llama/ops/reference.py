@@ -59,6 +59,23 @@ def mixing_weights(window_logit: Tensor, linear_logit: Tensor) -> tuple[Tensor, 
     return a, b
 
 
+def normalizer_weights(formulation: str, a: Tensor, b: Tensor, win_sum: Tensor) -> tuple[Tensor, Tensor | float]:
+    """(weight of the window's average, weight of the linear readout) in the shared normalizer.
+
+    The output is ``(w_win * win_avg + w_lin * phi(q) S) / (w_win + w_lin * phi(q) z)``:
+    - hybrid: ``w_win = a`` (the softmax average enters with weight a), ``w_lin = b``;
+    - lolcats: ``w_win = a * sum_win exp(s_j - m)`` (unnormalised exp-scores), ``w_lin = b``;
+    - window: ``w_win = 1``, ``w_lin = 0`` (no linear part).
+    A query whose window holds no real key drops the window term (``win_sum == 0``).
+    """
+    has_win = (win_sum > 0).to(win_sum.dtype)
+    if formulation == "window":
+        return has_win, 0.0
+    if formulation == "hybrid":
+        return a * has_win, b
+    return a * win_sum, b
+
+
 def combine(
     formulation: str,
     a: Tensor,
@@ -75,21 +92,61 @@ def combine(
     the window holds no real key); ``lin_num = phi(q) S``, ``lin_den = phi(q) z``. Shapes
     ``[..., D]`` and ``[..., 1]``; ``a`` and ``b`` broadcast against them.
     """
-    has_win = (win_sum > 0).to(win_sum.dtype)
-    if formulation == "window":
-        # The linear part is not there: the window's softmax average, zeros with no real key.
-        return win_avg * has_win
-    if formulation == "hybrid":
-        # The softmax average enters with weight a; a query whose window holds no real key drops
-        # the term from both numerator and denominator.
-        num = a * has_win * win_avg + b * lin_num
-        den = a * has_win + b * lin_den
-    else:  # lolcats: one shared normaliser, exp-scores (relative to the window max) + linear scores
-        num = a * win_sum * win_avg + b * lin_num
-        den = a * win_sum + b * lin_den
+    w_win, w_lin = normalizer_weights(formulation, a, b, win_sum)
+    num = w_win * win_avg + w_lin * lin_num
+    den = w_win + w_lin * lin_den
     has_any = den > 0
     # A query that sees no real key at all returns zeros (and zero gradients, not NaN).
     return torch.where(has_any, num / torch.where(has_any, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def reference_parts(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor | None,
+    *,
+    window: int,
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+    query_positions: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor]:
+    """(win_avg, win_sum, lin_num, lin_den) of ``combine`` for the queries at ``query_positions``
+    (default: all T), in fp32, from full masks over all T keys. Without ``v`` only the normalizer
+    terms (win_sum, lin_den) are computed; win_avg and lin_num are None."""
+    phi_q, phi_k = resolve_qk_maps(feature_map)
+    groups = q.shape[1] // k.shape[1]  # GQA: query head h reads KV head h // groups
+    T, D = q.shape[2], q.shape[3]
+    pos = torch.arange(T, device=q.device) if query_positions is None else query_positions.to(q.device)
+    q, k_kv = q.float()[:, :, pos], k.float()
+    k = k_kv.repeat_interleave(groups, 1)
+    # A key map of a (query_map, key_map) pair works at the KV heads; one per-head map at the query heads.
+    k_features = phi_k(k) if keys_need_query_heads(feature_map) else phi_k(k_kv).repeat_interleave(groups, 1)
+
+    t, j = pos[:, None], torch.arange(T, device=q.device)[None, :]
+    win_mask = (j <= t) & (j > t - window)  # [Q, T]: keys t-w+1 .. t
+    lin_mask = j <= t - window  # [Q, T]: keys 0 .. t-w
+    if key_padding_mask is not None:
+        real = key_padding_mask[:, None, None, :]  # [B, 1, 1, T]
+        win_mask, lin_mask = win_mask & real, lin_mask & real
+    else:
+        win_mask, lin_mask = win_mask[None, None], lin_mask[None, None]
+
+    # Window part: softmax over the window keys, stabilised by the max score in the window.
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    scores = scores.masked_fill(~win_mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)  # exactly 0 on masked keys
+    win_sum = p.sum(dim=-1, keepdim=True)
+
+    # Linear part: phi(q_t) . phi(k_j) over keys that left the window.
+    lin_scores = torch.matmul(phi_q(q), k_features.transpose(-1, -2)) * lin_mask
+    lin_den = lin_scores.sum(dim=-1, keepdim=True)
+    if v is None:
+        return None, win_sum, None, lin_den
+    v = v.float().repeat_interleave(groups, 1)
+    win_avg = torch.matmul(p, v) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
+    return win_avg, win_sum, torch.matmul(lin_scores, v), lin_den
 
 
 def hybrid_attention_reference(
@@ -105,38 +162,37 @@ def hybrid_attention_reference(
     key_padding_mask: Tensor | None = None,
 ) -> Tensor:
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
-    out_dtype = q.dtype
-    phi_q, phi_k = resolve_qk_maps(feature_map)
-    groups = q.shape[1] // k.shape[1]  # GQA: query head h reads KV head h // groups
-    q, k_kv, v = q.float(), k.float(), v.float().repeat_interleave(groups, 1)
-    k = k_kv.repeat_interleave(groups, 1)
-    # A key map of a (query_map, key_map) pair works at the KV heads; one per-head map at the query heads.
-    k_features = phi_k(k) if keys_need_query_heads(feature_map) else phi_k(k_kv).repeat_interleave(groups, 1)
-    T, D = q.shape[2], q.shape[3]
-
-    pos = torch.arange(T, device=q.device)
-    t, j = pos[:, None], pos[None, :]
-    win_mask = (j <= t) & (j > t - window)  # [T, T]: keys t-w+1 .. t
-    lin_mask = j <= t - window  # [T, T]: keys 0 .. t-w
-    if key_padding_mask is not None:
-        real = key_padding_mask[:, None, None, :]  # [B, 1, 1, T]
-        win_mask, lin_mask = win_mask & real, lin_mask & real
-    else:
-        win_mask, lin_mask = win_mask[None, None], lin_mask[None, None]
-
-    # Window part: softmax over the window keys, stabilised by the max score in the window.
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
-    scores = scores.masked_fill(~win_mask, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)  # exactly 0 on masked keys
-    win_sum = p.sum(dim=-1, keepdim=True)
-    win_avg = torch.matmul(p, v) / torch.where(win_sum > 0, win_sum, torch.ones_like(win_sum))
-
-    # Linear part: phi(q_t) . phi(k_j) over keys that left the window.
-    lin_scores = torch.matmul(phi_q(q), k_features.transpose(-1, -2)) * lin_mask
-    lin_num = torch.matmul(lin_scores, v)
-    lin_den = lin_scores.sum(dim=-1, keepdim=True)
-
+    parts = reference_parts(q, k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
     a, b = mixing_weights(window_logit, linear_logit)
-    return combine(formulation, a, b, win_avg, win_sum, lin_num, lin_den).to(out_dtype)
+    return combine(formulation, a, b, *parts).to(q.dtype)
+
+
+def window_share(
+    q: Tensor,
+    k: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int = 64,
+    formulation: str = "hybrid",
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+    query_positions: Tensor | None = None,
+) -> Tensor:
+    """Share of each query's output normalizer held by the softmax window, ``[B, H, Q]`` (fp32).
+
+    With ``w_win``, ``w_lin`` from ``normalizer_weights`` it is ``w_win / (w_win + w_lin phi(q) z)``:
+    the weight the window's average gets in the output, the rest going to the linear readout. It is
+    the diagnostic that tells a hybrid that uses its linear part from one that drowns the window
+    (share near 0) or bypasses the linear part (share near 1). Queries that see no key give NaN.
+    An O(Q * T) computation: pass the few ``query_positions`` of interest for long sequences.
+    """
+    check_inputs(q, k, k, window_logit, linear_logit, window, formulation, key_padding_mask)
+    _, win_sum, _, lin_den = reference_parts(
+        q, k, None, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
+        query_positions=query_positions,
+    )
+    a, b = mixing_weights(window_logit, linear_logit)
+    w_win, w_lin = normalizer_weights(formulation, a, b, win_sum)
+    den = w_win + w_lin * lin_den
+    return torch.where(den > 0, w_win / den, torch.full_like(den, float("nan"))).squeeze(-1)
