@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybrid_llama.pipeline import shared_data_dir as find_shared_data
 from hybrid_llama.weights import load_model, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
-    return Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+    return find_shared_data()
 
 
 @pytest.fixture(scope="session")

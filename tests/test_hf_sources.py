@@ -30,6 +30,7 @@ import pytest
 import torch
 import yaml
 
+from hybrid_llama.pipeline import Pipeline, shared_data_dir
 from hybrid_llama.data import (
     DataError,
     iter_documents,
@@ -41,7 +42,7 @@ from hybrid_llama.data import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = shared_data_dir()
 EDU = SHARED / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"
 DOLLY = SHARED / "dolly" / "databricks-dolly-15k.head.jsonl"
 MMLU = SHARED / "mmlu"
@@ -450,56 +451,51 @@ def test_mmlu_download_script_writes_the_local_layout(mmlu_repo, hf_cache, tmp_p
 # ------------------------------------------------------------------------------------ 4. workflow config
 
 
-def _common_smk(config: dict) -> dict:
-    """The Python helpers of workflow/rules/common.smk (everything before its Snakemake-only
-    directives), executed with ``config`` as Snakemake would after schema validation."""
+def _pipeline(config: dict) -> Pipeline:
+    """The workflow's view of ``config`` (hybrid_llama.pipeline), after schema validation as the
+    Snakefile does it."""
     from snakemake.utils import validate
 
     config = copy.deepcopy(config)
     validate(config, str(REPO / "config" / "schema.yaml"))
-    text = (REPO / "workflow" / "rules" / "common.smk").read_text()
-    head, sep, _ = text.partition("\nwildcard_constraints:")
-    assert sep, "common.smk layout changed: update this test"
-    ns = {"config": config, "workflow": types.SimpleNamespace(basedir=str(REPO)), "__name__": "common_smk"}
-    exec(compile(head, str(REPO / "workflow" / "rules" / "common.smk"), "exec"), ns)
-    return ns
+    return Pipeline(config, REPO)
 
 
 def test_workflow_config_source_hf_resolves_to_tested_specs(fineweb_repo, dolly_repo, tiny_tokenizer, tmp_path,
                                                             monkeypatch):
-    monkeypatch.chdir(tmp_path)  # common.smk looks for resources/weights/* relative to the working dir
+    monkeypatch.chdir(tmp_path)  # the pipeline looks for resources/weights/* relative to the working dir
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["shared_data"] = str(SHARED)
     cfg["data"]["transfer"].update(source="hf", hf={"path": str(fineweb_repo), "name": "sample-10BT", "split": "train"})
     cfg["data"]["instruct"].update(source="hf", hf={"path": str(dolly_repo), "split": "train"})
-    smk = _common_smk(cfg)
+    smk = _pipeline(cfg)
 
-    transfer = smk["data_source"]("transfer")
+    transfer = smk.data_source("transfer")
     assert transfer == {"kind": "hf", "name": "sample-10BT", "path": str(fineweb_repo), "split": "train",
                         "text_column": "text"}
-    assert smk["local_data_inputs"]("transfer") == []
-    instruct = smk["data_source"]("instruct")
+    assert smk.local_data_inputs("transfer") == []
+    instruct = smk.data_source("instruct")
     assert instruct == {"kind": "hf", "path": str(dolly_repo), "split": "train"}
 
     # The same config with source local: the rules' specs and settings give identical outputs.
     local_cfg = copy.deepcopy(cfg)
     local_cfg["data"]["transfer"]["source"] = local_cfg["data"]["instruct"]["source"] = "local"
-    local = _common_smk(local_cfg)
-    assert local["data_source"]("transfer") == {"kind": "local", "path": str(EDU), "text_column": "text"}
-    assert local["data_source"]("instruct") == {"kind": "local", "path": str(DOLLY)}
+    local = _pipeline(local_cfg)
+    assert local.data_source("transfer") == {"kind": "local", "path": str(EDU), "text_column": "text"}
+    assert local.data_source("instruct") == {"kind": "local", "path": str(DOLLY)}
 
-    settings = smk["data_settings"]("transfer")
-    assert settings == local["data_settings"]("transfer") and settings["split"] == "train"
+    settings = smk.data_settings("transfer")
+    assert settings == local.data_settings("transfer") and settings["split"] == "train"
     a = prepare_transfer_corpus(transfer, tiny_tokenizer, tmp_path / "t_hf.safetensors", **settings)
-    b = prepare_transfer_corpus(local["data_source"]("transfer"), tiny_tokenizer, tmp_path / "t_local.safetensors",
+    b = prepare_transfer_corpus(local.data_source("transfer"), tiny_tokenizer, tmp_path / "t_local.safetensors",
                                 **settings)
     assert a["num_sequences"] == settings["num_tokens"] // settings["seq_len"]
     assert a["doc_hashes"] == b["doc_hashes"]
     assert torch.equal(load_packed(tmp_path / "t_hf.safetensors"), load_packed(tmp_path / "t_local.safetensors"))
 
-    isettings = smk["data_settings"]("instruct")
+    isettings = smk.data_settings("instruct")
     a = prepare_instruct_data(instruct, tiny_tokenizer, tmp_path / "i_hf.safetensors", **isettings)
-    b = prepare_instruct_data(local["data_source"]("instruct"), tiny_tokenizer, tmp_path / "i_local.safetensors",
+    b = prepare_instruct_data(local.data_source("instruct"), tiny_tokenizer, tmp_path / "i_local.safetensors",
                               **isettings)
     assert a["num_rows"] == isettings["max_examples"] and a["inputs_sha256"] == b["inputs_sha256"]
     for split in ("train", "val"):
@@ -510,5 +506,5 @@ def test_workflow_config_source_hf_resolves_to_tested_specs(fineweb_repo, dolly_
     # MMLU with source hf goes through rule mmlu_download into a local copy (tested above).
     mcfg = copy.deepcopy(cfg)
     mcfg["data"]["mmlu"].update(source="hf", hf="cais/mmlu")
-    msmk = _common_smk(mcfg)
-    assert msmk["mmlu_data"]() == {"kind": "local", "path": "resources/data/mmlu"}
+    msmk = _pipeline(mcfg)
+    assert msmk.mmlu_data() == {"kind": "local", "path": "resources/data/mmlu"}

@@ -18,9 +18,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybrid_llama.eval.mmlu import compare, run_mmlu, write_result
 from hybrid_llama.weights import load_model
+from hybrid_llama.pipeline import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = shared_data_dir()
 MMLU_DIR = SHARED / "mmlu"
 # Two subjects with short questions so 5-shot prompts fit the tiny model's 4096 positions (byte tokens).
 SUBJECTS = ["abstract_algebra", "college_mathematics"]

@@ -19,8 +19,9 @@ from hybrid_llama import data
 from hybrid_llama.weights import byte_tokenizer, load_model
 from hybrid_llama.eval import quality as Q
 from hybrid_llama.report import quality_plots, summary
+from hybrid_llama.pipeline import shared_data_dir
 
-SHARED = Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+SHARED = shared_data_dir()
 FINEWEB = SHARED / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_llama.pipeline import path
 from hybrid_llama.report.html import write_report
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
@@ -84,9 +85,9 @@ def report(tmp_path_factory) -> Path:
                [[s, L, 3.0 + i / 10 - L / 4096, 20.0, 64] for i, s in enumerate(stages) for L in (64, 256, 1024)])
     pk = _csv(r / "m/v1/quality/cpu/passkey.csv", ["stage", "context_len", "depth", "accuracy", "n"],
               [[s, L, d, 1.0 if s == "base" else 0.25, 20] for s in stages for L in (256, 512) for d in (0.1, 0.5)])
-    plots = [_plot(r / "plots" / name) for name in
-             ("m_mmlu_mc.png", "m_throughput_cpu.png", "m_memory_cpu.png", "m_v1_transfer_loss.png",
-              "m_v1_lora_loss.png", "m_v1_nll_cpu.png", "m_v1_passkey_cpu.png")]
+    plots = [_plot(root / path(name, model="m", variant="v1", device="cpu", fmt="mc")) for name in
+             ("plot_mmlu", "plot_throughput", "plot_memory", "plot_transfer_loss", "plot_lora_loss", "plot_nll",
+              "plot_passkey")]
     tm = r / "m/v1/transfer/metrics.json"
     tm.parent.mkdir(parents=True)
     tm.write_text(json.dumps({"mse_before": {"0": 0.5, "2": 0.4}, "mse_after": {"0": 0.05, "2": 0.1},

@@ -17,7 +17,7 @@ import hybrid_llama.train.finetune as ft
 import hybrid_llama.train.transfer as tr
 from hybrid_llama.data import load_instruct, prepare_instruct_data, prepare_transfer_corpus
 from hybrid_llama.stages import load_stage
-from hybrid_llama.train.common import TRAIN_DEFAULTS, NonFiniteError, StopTraining, lr_factor
+from hybrid_llama.train.common import NonFiniteError, StopTraining, lr_factor
 from hybrid_llama.weights import load_model
 
 HYBRID = {"layers": [1, 3], "window": 16}
@@ -193,7 +193,7 @@ def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, mon
 
 
 def test_lr_schedule_shape():
-    cfg = {**TRAIN_DEFAULTS, "warmup_ratio": 0.1, "min_lr_ratio": 0.1}
+    cfg = {**tr.TRANSFER_DEFAULTS, "warmup_ratio": 0.1, "min_lr_ratio": 0.1}
     f = [lr_factor(s, 100, cfg) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert f[-1] == pytest.approx(0.1) and all(x >= y for x, y in zip(f[9:], f[10:]))
@@ -337,7 +337,8 @@ def test_base_lora_control_and_stages(tiny_model_dir, instruct, tmp_path):
 def test_transfer_hedgehog_trains_feature_map_and_round_trips(tiny_model_dir, corpus, tmp_path):
     hyb = {**HYBRID, "feature_map": "hedgehog"}
     m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", hyb,
-                        _transfer_cfg(epochs=1, max_steps=3, eval_sequences=2), tmp_path)
+                        _transfer_cfg(epochs=1, max_steps=3, eval_sequences=2, trainable="logits+feature_map+qkvo"),
+                        tmp_path)
     assert m["trainable"] == ["feature_map", "k_proj", "mixing", "o_proj", "q_proj", "v_proj"]
     saved = load_file(str(tmp_path / "hybrid_layers.safetensors"))
     assert not torch.equal(saved["model.layers.1.self_attn.feature_map.q.weight"],

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hybrid_llama.pipeline import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HYBRID_LLAMA_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = shared_data_dir()
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
@@ -186,7 +187,7 @@ BAD_CONFIGS = {
     "window_zero": (lambda c: c["variants"][0]["hybrid"].update(window=0), ["window", "minimum"]),
     "unknown_kind": (lambda c: c["models"][0].update(kind="ftp"), ["kind", "ftp"]),
     "shots_not_list": (lambda c: c["mmlu"].update(shots="0,5"), ["shots", "not of type 'array'"]),
-    "shots_duplicate": (lambda c: c["mmlu"].update(shots=[0, 0]), ["'mmlu.shots'", "duplicate"]),
+    "shots_duplicate": (lambda c: c["mmlu"].update(shots=[0, 0]), ["shots", "non-unique"]),
     "layer_beyond_model": (
         lambda c: c["variants"][0]["hybrid"].update(layers=[0, 7]),
         ["'variants[w16].hybrid.layers'", "layer index 7", "4 layers"],
@@ -241,9 +242,9 @@ def _stage_jobs(slot: str, stage: str, fmts=("mc", "cloze"), shots=(0,)) -> set:
 DOWNSTREAM = {
     ("quality_table", f"results/{M}/{V}/quality/{D}/perplexity.csv"),
     ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
-    ("plot_quality", f"results/plots/{M}_{V}_nll_{D}.png"),
-    ("plot_mmlu", f"results/plots/{M}_mmlu_mc.png"),
-    ("plot_mmlu", f"results/plots/{M}_mmlu_cloze.png"),
+    ("plot_quality", f"results/plots/{M}/{V}/nll_{D}.png"),
+    ("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"),
+    ("plot_mmlu", f"results/plots/{M}/mmlu_cloze.png"),
     ("report", "results/report.html"),
     ("all", None),
 }
@@ -309,8 +310,8 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
     expected = (
         {("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
          ("base_lora", f"results/{M}/base_lora/lora/adapter_model.safetensors"),
-         ("plot_lora_loss", f"results/plots/{M}_{V}_lora_loss.png"),
-         ("plot_lora_loss", f"results/plots/{M}_base_lora_lora_loss.png")}
+         ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
+         ("plot_lora_loss", f"results/plots/{M}/base_lora/lora_loss.png")}
         | _stage_jobs(V, "transfer_lora") | _stage_jobs("base_lora", "base_lora") | DOWNSTREAM
     )
     assert _plan(wf, cfg, "lora_r") == expected
@@ -324,11 +325,11 @@ def test_window_change_reruns_transfer_onward(built):
     expected = (
         {("transfer", f"results/{M}/{V}/transfer/hybrid_layers.safetensors"),
          ("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
-         ("plot_transfer_loss", f"results/plots/{M}_{V}_transfer_loss.png"),
-         ("plot_lora_loss", f"results/plots/{M}_{V}_lora_loss.png"),
+         ("plot_transfer_loss", f"results/plots/{M}/{V}/transfer_loss.png"),
+         ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
          # throughput compares the variants' hybrid layouts, so it depends on the window too
          ("throughput", f"results/{M}/throughput/{D}.csv"),
-         ("plot_throughput", f"results/plots/{M}_throughput_{D}.png")}
+         ("plot_throughput", f"results/plots/{M}/throughput_{D}.png")}
         | _stage_jobs(V, "transfer") | _stage_jobs(V, "transfer_lora") | DOWNSTREAM
     )
     assert _plan(wf, cfg, "window") == expected
@@ -345,8 +346,8 @@ def test_adding_shots_adds_only_those_mmlu_jobs(built):
         for fmt in ("mc", "cloze")
     }
     expected = new | {
-        ("plot_mmlu", f"results/plots/{M}_mmlu_mc.png"),
-        ("plot_mmlu", f"results/plots/{M}_mmlu_cloze.png"),
+        ("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"),
+        ("plot_mmlu", f"results/plots/{M}/mmlu_cloze.png"),
         ("report", "results/report.html"),
         ("all", None),
     }
@@ -364,7 +365,7 @@ def test_editing_a_script_reruns_that_rule(built):
                     for slot, stage in (("base", "base"), ("base_lora", "base_lora"), (V, "transfer"), (V, "transfer_lora"))}
         expected |= {
             ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
-            ("plot_quality", f"results/plots/{M}_{V}_nll_{D}.png"),
+            ("plot_quality", f"results/plots/{M}/{V}/nll_{D}.png"),
             ("report", "results/report.html"),
             ("all", None),
         }
@@ -389,11 +390,8 @@ def test_snakemake_report(built):
 def test_require_device():
     import torch
 
-    sys.path.insert(0, str(REPO / "workflow" / "scripts"))
-    try:
-        from hl_script import require_device
-    finally:
-        sys.path.pop(0)
+    from hybrid_llama.runtime import require_device
+
     assert require_device("cpu") == "cpu"
     if torch.cuda.is_available():
         assert require_device("cuda-h100") == "cuda"

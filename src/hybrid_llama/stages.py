@@ -20,23 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["STAGES", "load_stage", "load_base", "as_hybrid_config", "resolve_dtype"]
+from hybrid_llama.pipeline import STAGES
+from hybrid_llama.runtime import resolve_dtype
 
-STAGES = ("base", "transfer", "transfer_lora", "base_lora")
+__all__ = ["STAGES", "load_stage", "load_stage_for_eval", "load_base", "as_hybrid_config", "resolve_dtype",
+           "weights_hash"]
 
-
-def resolve_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}
-    name = aliases.get(name, name)
-    if name is None:
-        return None
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return dt
 
 
 def as_hybrid_config(hybrid: Any):
@@ -104,3 +93,58 @@ def load_stage(
     if dt is not None or device is not None:
         model = model.to(device=device, dtype=dt)
     return model.eval(), tok
+
+
+def weights_hash(model_dir: str | os.PathLike) -> str:
+    """sha256 of a resolved model's weights, from the ``hashes.json`` the workflow's weights rule
+    writes: the file's own hash, or for shards the sha256 of their sorted ``{name: sha256}`` JSON."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    hashes = json.loads((Path(model_dir) / "hashes.json").read_text())
+    if list(hashes) == ["model.safetensors"]:
+        return hashes["model.safetensors"]
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+
+
+def load_stage_for_eval(
+    model_dir: str | os.PathLike,
+    stage: str,
+    *,
+    hybrid: Any = None,
+    hybrid_layers: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | None = None,
+    device: str = "cpu",
+    dtype: Any = None,
+    labels: dict | None = None,
+) -> tuple[nn.Module, Any, dict, str]:
+    """``(model, tokenizer, meta, torch_device)`` of a stage for an evaluation job.
+
+    ``device`` is the config's device (a cluster label allowed, checked by ``require_device``);
+    ``adapter`` is the adapter directory or its ``adapter_model.safetensors``. ``meta`` records
+    ``labels`` (model, variant, stage, the requested device), the hybrid settings and the sha256
+    of every file the model was built from, so each result names exactly what it measured.
+    """
+    from pathlib import Path
+
+    from hybrid_llama.runtime import require_device
+    from hybrid_llama.weights import sha256_of
+
+    torch_device = require_device(device)
+    adapter_file = None
+    if adapter is not None:
+        adapter = Path(adapter)
+        adapter_file = adapter if adapter.suffix == ".safetensors" else adapter / "adapter_model.safetensors"
+        adapter = adapter_file.parent
+    model, tokenizer = load_stage(model_dir, stage, hybrid=hybrid, hybrid_layers=hybrid_layers, adapter=adapter,
+                                  dtype=dtype, device=torch_device)
+    meta = {
+        **(labels or {}),
+        "stage": stage,
+        "hybrid": hybrid,
+        "model_hash": weights_hash(model_dir),
+        "layers_hash": sha256_of(Path(hybrid_layers)) if hybrid_layers else None,
+        "adapter_hash": sha256_of(adapter_file) if adapter_file else None,
+    }
+    return model, tokenizer, meta, torch_device

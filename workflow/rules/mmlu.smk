@@ -6,11 +6,11 @@ rule mmlu:
     input:
         unpack(mmlu_inputs),
     output:
-        "results/{model}/{variant}/mmlu/{device}/{stage}/{fmt}_{shots}shot.json",
+        path("mmlu"),
     log:
-        "logs/mmlu/{model}/{variant}/{device}/{stage}/{fmt}_{shots}shot.log",
+        log_of("mmlu/{model}/{variant}/{device}/{stage}/{fmt}_{shots}shot"),
     benchmark:
-        "logs/benchmarks/mmlu/{model}/{variant}/{device}/{stage}/{fmt}_{shots}shot.tsv"
+        benchmark_of("mmlu/{model}/{variant}/{device}/{stage}/{fmt}_{shots}shot")
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]
@@ -18,6 +18,6 @@ rule mmlu:
         gpu=gpu_of_device,
     params:
         hybrid=stage_hybrid,
-        mmlu=mmlu_settings(),
+        mmlu=P.mmlu_settings(),
     script:
         "../scripts/mmlu.py"

@@ -5,13 +5,13 @@
 rule perplexity:
     input:
         unpack(stage_inputs),
-        manifest="resources/data/transfer/{model}.json",
+        manifest=path("transfer_manifest"),
     output:
-        "results/{model}/{variant}/quality/{device}/{stage}/perplexity.csv",
+        path("stage_quality", kind="perplexity"),
     log:
-        "logs/perplexity/{model}/{variant}/{device}/{stage}.log",
+        log_of("perplexity/{model}/{variant}/{device}/{stage}"),
     benchmark:
-        "logs/benchmarks/perplexity/{model}/{variant}/{device}/{stage}.tsv"
+        benchmark_of("perplexity/{model}/{variant}/{device}/{stage}")
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]
@@ -19,8 +19,8 @@ rule perplexity:
         gpu=gpu_of_device,
     params:
         hybrid=stage_hybrid,
-        source=data_source("transfer"),
-        perplexity=section("quality", "perplexity"),
+        source=P.data_source("transfer"),
+        perplexity=P.section("quality", "perplexity"),
         dtype=config["quality"]["dtype"],
     script:
         "../scripts/perplexity.py"
@@ -30,11 +30,11 @@ rule passkey:
     input:
         unpack(stage_inputs),
     output:
-        "results/{model}/{variant}/quality/{device}/{stage}/passkey.csv",
+        path("stage_quality", kind="passkey"),
     log:
-        "logs/passkey/{model}/{variant}/{device}/{stage}.log",
+        log_of("passkey/{model}/{variant}/{device}/{stage}"),
     benchmark:
-        "logs/benchmarks/passkey/{model}/{variant}/{device}/{stage}.tsv"
+        benchmark_of("passkey/{model}/{variant}/{device}/{stage}")
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]
@@ -42,7 +42,7 @@ rule passkey:
         gpu=gpu_of_device,
     params:
         hybrid=stage_hybrid,
-        passkey=section("quality", "passkey"),
+        passkey=P.section("quality", "passkey"),
         dtype=config["quality"]["dtype"],
     script:
         "../scripts/passkey.py"
@@ -50,17 +50,17 @@ rule passkey:
 
 rule quality_table:
     input:
-        lambda wildcards: quality_stage_files(
+        lambda wildcards: P.stage_quality_files(
             wildcards.model, wildcards.variant, wildcards.device, wildcards.kind
         ),
     output:
-        "results/{model}/{variant}/quality/{device}/{kind}.csv",
+        path("quality"),
     log:
-        "logs/quality_table/{model}/{variant}/{device}/{kind}.log",
+        log_of("quality_table/{model}/{variant}/{device}/{kind}"),
     benchmark:
-        "logs/benchmarks/quality_table/{model}/{variant}/{device}/{kind}.tsv"
+        benchmark_of("quality_table/{model}/{variant}/{device}/{kind}")
     wildcard_constraints:
-        variant=_alternatives(VARIANTS),
+        variant="|".join(VARIANTS),
         kind="perplexity|passkey",
     conda:
         "../../envs/report.yaml"
@@ -72,11 +72,11 @@ rule generations:
     input:
         unpack(stage_inputs),
     output:
-        "results/{model}/{variant}/generations/{stage}.json",
+        path("generations"),
     log:
-        "logs/generations/{model}/{variant}/{stage}.log",
+        log_of("generations/{model}/{variant}/{stage}"),
     benchmark:
-        "logs/benchmarks/generations/{model}/{variant}/{stage}.tsv"
+        benchmark_of("generations/{model}/{variant}/{stage}")
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]
@@ -84,6 +84,6 @@ rule generations:
         gpu=int(is_cuda(config["generations"]["device"])),
     params:
         hybrid=stage_hybrid,
-        generations=section("generations"),
+        generations=P.section("generations"),
     script:
         "../scripts/generations.py"

@@ -3,19 +3,19 @@
 
 rule plot_mmlu:
     input:
-        lambda wildcards: mmlu_files(wildcards.model, wildcards.fmt),
+        lambda wildcards: P.mmlu_files(wildcards.model, wildcards.fmt),
     output:
         png=report(
-            "results/plots/{model}_mmlu_{fmt}.png",
+            path("plot_mmlu"),
             caption="../report/mmlu.rst",
             category="MMLU",
             labels={"model": "{model}", "format": "{fmt}"},
         ),
-        svg="results/plots/{model}_mmlu_{fmt}.svg",
+        svg=svg(path("plot_mmlu")),
     log:
-        "logs/plots/{model}_mmlu_{fmt}.log",
+        log_of("plots/{model}/mmlu_{fmt}"),
     benchmark:
-        "logs/benchmarks/plots/{model}_mmlu_{fmt}.tsv"
+        benchmark_of("plots/{model}/mmlu_{fmt}")
     conda:
         "../../envs/report.yaml"
     script:
@@ -24,26 +24,26 @@ rule plot_mmlu:
 
 rule plot_throughput:
     input:
-        "results/{model}/throughput/{device}.csv",
+        path("throughput"),
     output:
         throughput=report(
-            "results/plots/{model}_throughput_{device}.png",
+            path("plot_throughput"),
             caption="../report/throughput.rst",
             category="Throughput",
             labels={"model": "{model}", "device": "{device}", "plot": "speed"},
         ),
-        throughput_svg="results/plots/{model}_throughput_{device}.svg",
+        throughput_svg=svg(path("plot_throughput")),
         memory=report(
-            "results/plots/{model}_memory_{device}.png",
+            path("plot_memory"),
             caption="../report/memory.rst",
             category="Throughput",
             labels={"model": "{model}", "device": "{device}", "plot": "memory"},
         ),
-        memory_svg="results/plots/{model}_memory_{device}.svg",
+        memory_svg=svg(path("plot_memory")),
     log:
-        "logs/plots/{model}_throughput_{device}.log",
+        log_of("plots/{model}/throughput_{device}"),
     benchmark:
-        "logs/benchmarks/plots/{model}_throughput_{device}.tsv"
+        benchmark_of("plots/{model}/throughput_{device}")
     conda:
         "../../envs/report.yaml"
     script:
@@ -52,19 +52,19 @@ rule plot_throughput:
 
 rule plot_transfer_loss:
     input:
-        "results/{model}/{variant}/transfer/loss.csv",
+        path("transfer_loss"),
     output:
         png=report(
-            "results/plots/{model}_{variant}_transfer_loss.png",
+            path("plot_transfer_loss"),
             caption="../report/transfer_loss.rst",
             category="Training",
             labels={"model": "{model}", "variant": "{variant}", "plot": "transfer"},
         ),
-        svg="results/plots/{model}_{variant}_transfer_loss.svg",
+        svg=svg(path("plot_transfer_loss")),
     log:
-        "logs/plots/{model}_{variant}_transfer_loss.log",
+        log_of("plots/{model}/{variant}/transfer_loss"),
     benchmark:
-        "logs/benchmarks/plots/{model}_{variant}_transfer_loss.tsv"
+        benchmark_of("plots/{model}/{variant}/transfer_loss")
     conda:
         "../../envs/report.yaml"
     script:
@@ -73,19 +73,19 @@ rule plot_transfer_loss:
 
 rule plot_lora_loss:
     input:
-        "results/{model}/{variant}/lora/loss.csv",
+        path("lora_loss"),
     output:
         png=report(
-            "results/plots/{model}_{variant}_lora_loss.png",
+            path("plot_lora_loss"),
             caption="../report/lora_loss.rst",
             category="Training",
             labels={"model": "{model}", "variant": "{variant}", "plot": "lora"},
         ),
-        svg="results/plots/{model}_{variant}_lora_loss.svg",
+        svg=svg(path("plot_lora_loss")),
     log:
-        "logs/plots/{model}_{variant}_lora_loss.log",
+        log_of("plots/{model}/{variant}/lora_loss"),
     benchmark:
-        "logs/benchmarks/plots/{model}_{variant}_lora_loss.tsv"
+        benchmark_of("plots/{model}/{variant}/lora_loss")
     conda:
         "../../envs/report.yaml"
     script:
@@ -94,11 +94,11 @@ rule plot_lora_loss:
 
 rule plot_quality:
     input:
-        perplexity="results/{model}/{variant}/quality/{device}/perplexity.csv",
-        passkey="results/{model}/{variant}/quality/{device}/passkey.csv",
+        perplexity=path("quality", kind="perplexity"),
+        passkey=path("quality", kind="passkey"),
     output:
         nll=report(
-            "results/plots/{model}_{variant}_nll_{device}.png",
+            path("plot_nll"),
             caption="../report/nll.rst",
             category="Quality",
             labels={
@@ -108,9 +108,9 @@ rule plot_quality:
                 "plot": "nll",
             },
         ),
-        nll_svg="results/plots/{model}_{variant}_nll_{device}.svg",
+        nll_svg=svg(path("plot_nll")),
         passkey=report(
-            "results/plots/{model}_{variant}_passkey_{device}.png",
+            path("plot_passkey"),
             caption="../report/passkey.rst",
             category="Quality",
             labels={
@@ -120,11 +120,11 @@ rule plot_quality:
                 "plot": "passkey",
             },
         ),
-        passkey_svg="results/plots/{model}_{variant}_passkey_{device}.svg",
+        passkey_svg=svg(path("plot_passkey")),
     log:
-        "logs/plots/{model}_{variant}_quality_{device}.log",
+        log_of("plots/{model}/{variant}/quality_{device}"),
     benchmark:
-        "logs/benchmarks/plots/{model}_{variant}_quality_{device}.tsv"
+        benchmark_of("plots/{model}/{variant}/quality_{device}")
     conda:
         "../../envs/report.yaml"
     script:
@@ -133,17 +133,17 @@ rule plot_quality:
 
 rule report:
     input:
-        **report_inputs(),
+        **P.report_inputs(),
     output:
         report(
-            "results/report.html",
+            path("report"),
             caption="../report/report.rst",
             category="Report",
         ),
     log:
-        "logs/report.log",
+        log_of("report"),
     benchmark:
-        "logs/benchmarks/report.tsv"
+        benchmark_of("report")
     conda:
         "../../envs/report.yaml"
     params:

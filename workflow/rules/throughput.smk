@@ -5,20 +5,20 @@
 
 rule throughput:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
+        weights=weights,
     output:
-        "results/{model}/throughput/{device}.csv",
+        path("throughput"),
     log:
-        "logs/throughput/{model}/{device}.log",
+        log_of("throughput/{model}/{device}"),
     benchmark:
-        "logs/benchmarks/throughput/{model}/{device}.tsv"
+        benchmark_of("throughput/{model}/{device}")
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["throughput"]
     resources:
         gpu=gpu_of_device,
     params:
-        hybrids={v: hybrid_cfg(v) for v in VARIANTS},
-        throughput=section("throughput"),
+        hybrids={v: P.hybrid(v) for v in VARIANTS},
+        throughput=P.section("throughput"),
     script:
         "../scripts/throughput.py"

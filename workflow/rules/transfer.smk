@@ -4,25 +4,25 @@
 
 rule transfer:
     input:
-        weights=lambda wildcards: weights(wildcards.model),
-        tokens="resources/data/transfer/{model}.safetensors",
+        weights=weights,
+        tokens=path("transfer_corpus"),
     output:
-        layers="results/{model}/{variant}/transfer/hybrid_layers.safetensors",
-        metrics="results/{model}/{variant}/transfer/metrics.json",
-        loss="results/{model}/{variant}/transfer/loss.csv",
+        layers=path("hybrid_layers"),
+        metrics=path("transfer_metrics"),
+        loss=path("transfer_loss"),
     log:
-        "logs/transfer/{model}/{variant}.log",
+        log_of("transfer/{model}/{variant}"),
     benchmark:
-        "logs/benchmarks/transfer/{model}/{variant}.tsv"
+        benchmark_of("transfer/{model}/{variant}")
     wildcard_constraints:
-        variant=_alternatives(VARIANTS),
+        variant="|".join(VARIANTS),
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]
     resources:
-        gpu=lambda wildcards: int(is_cuda(transfer_cfg(wildcards.variant)["device"])),
+        gpu=lambda wildcards: int(is_cuda(P.transfer(wildcards.variant)["device"])),
     params:
-        hybrid=lambda wildcards: hybrid_cfg(wildcards.variant),
-        train=lambda wildcards: transfer_cfg(wildcards.variant),
+        hybrid=lambda wildcards: P.hybrid(wildcards.variant),
+        train=lambda wildcards: P.transfer(wildcards.variant),
     script:
         "../scripts/transfer.py"

@@ -9,15 +9,15 @@ localrules:
 
 rule weights:
     output:
-        config="resources/weights/{model}/config.json",
-        hashes="resources/weights/{model}/hashes.json",
+        config=path("weights"),
+        hashes=path("weight_hashes"),
     log:
-        "logs/weights/{model}.log",
+        log_of("weights/{model}"),
     benchmark:
-        "logs/benchmarks/weights/{model}.tsv"
+        benchmark_of("weights/{model}")
     conda:
         "../../envs/weights.yaml"
     params:
-        spec=lambda wildcards: MODEL_SPECS[wildcards.model],
+        spec=lambda wildcards: P.models[wildcards.model],
     script:
         "../scripts/weights.py"

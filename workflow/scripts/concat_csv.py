@@ -2,7 +2,7 @@
 
 import csv
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 

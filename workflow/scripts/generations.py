@@ -3,14 +3,16 @@
 import json
 import time
 
-from hl_script import load_stage_model, start
+from common import stage_model, start
 
 start(snakemake)
 
 import torch
 
+from hybrid_llama.runtime import device_name
+
 cfg = snakemake.params.generations
-model, tokenizer, meta, device = load_stage_model(snakemake, device=cfg["device"])
+model, tokenizer, meta, device = stage_model(snakemake, device=cfg["device"])
 samples = []
 for prompt in cfg["prompts"]:
     ids = tokenizer(prompt, return_tensors="pt").to(device)
@@ -32,8 +34,8 @@ for prompt in cfg["prompts"]:
             "seconds": time.perf_counter() - t0,
         }
     )
-device_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-result = {**meta, "device": cfg["device"], "torch_device": device, "device_name": device_name, "samples": samples}
+result = {**meta, "device": cfg["device"], "torch_device": device, "device_name": device_name(device),
+          "samples": samples}
 with open(snakemake.output[0], "w") as f:
     json.dump(result, f, indent=1)
 print(json.dumps(samples, indent=1))

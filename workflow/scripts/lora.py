@@ -1,24 +1,23 @@
 """LoRA finetune of a variant's transferred model, or of the base model (the base_lora control)."""
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
-from hl_script import model_dir, require_device, start
+from common import model_dir, start
 
 start(snakemake)
 
+from hybrid_llama.pipeline import path, settings_key
+from hybrid_llama.runtime import require_device
 from hybrid_llama.train.finetune import run_finetune
 
-hybrid, lora = snakemake.params.hybrid, dict(snakemake.params.lora)
-# Checkpoints are keyed by the settings, so a changed config never resumes a stale run.
-key = hashlib.sha256(json.dumps([hybrid, lora], sort_keys=True).encode()).hexdigest()[:12]
-lora["device"] = require_device(lora["device"])
-w = snakemake.wildcards
+w, hybrid, lora = snakemake.wildcards, snakemake.params.hybrid, dict(snakemake.params.lora)
 slot = getattr(w, "variant", "base_lora")
-ckpt = Path("resources/checkpoints/lora") / w.model / slot / key
-lora["checkpoint_dir"] = str(ckpt)
+# Checkpoints are keyed by the settings, so a changed config never resumes a stale run.
+ckpt = path("checkpoints", kind="lora", model=w.model, variant=slot, key=settings_key(hybrid, lora))
+lora["device"] = require_device(lora["device"])
+lora["checkpoint_dir"] = ckpt
 metrics = run_finetune(
     model_dir(snakemake),
     snakemake.input.instruct,

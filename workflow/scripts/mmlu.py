@@ -1,13 +1,13 @@
 """MMLU of one stage, format and shot count on one device (hybrid_llama.eval.mmlu)."""
 
-from hl_script import load_stage_model, start
+from common import stage_model, start
 
 start(snakemake)
 
 from hybrid_llama.eval.mmlu import run_mmlu, write_result
 
 w, cfg = snakemake.wildcards, snakemake.params.mmlu
-model, tokenizer, meta, device = load_stage_model(snakemake, device=w.device, dtype=cfg["dtype"])
+model, tokenizer, meta, device = stage_model(snakemake, device=w.device, dtype=cfg["dtype"])
 result = run_mmlu(
     model,
     tokenizer,

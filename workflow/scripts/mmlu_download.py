@@ -1,15 +1,16 @@
 """Download MMLU from Hugging Face into the mirror's layout: {dev,test}/<subject>_{split}.csv."""
 
 import csv
-import hashlib
 import json
 from pathlib import Path
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 
 import datasets
+
+from hybrid_llama.weights import sha256_of
 
 root = Path(snakemake.output.manifest).parent
 counts = {}
@@ -26,9 +27,6 @@ for split in ("dev", "test"):
             for r in rows:
                 writer.writerow([r["question"], *r["choices"], r["answer"]])
     counts[split] = sum(len(r) for r in rows_by_subject.values())
-files = {
-    str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-    for p in sorted(root.glob("*/*.csv"))
-}
+files = {str(p.relative_to(root)): sha256_of(p) for p in sorted(root.glob("*/*.csv"))}
 manifest = {"source": {"kind": "hf", "id": snakemake.params.id}, "rows": counts, "files": files}
 Path(snakemake.output.manifest).write_text(json.dumps(manifest, indent=1) + "\n")

@@ -1,13 +1,13 @@
 """Passkey retrieval accuracy vs context length and depth (hybrid_llama.eval.quality)."""
 
-from hl_script import load_stage_model, start
+from common import stage_model, start
 
 start(snakemake)
 
 from hybrid_llama.eval.quality import passkey_accuracy, write_passkey_csv
 
 w, cfg = snakemake.wildcards, snakemake.params.passkey
-model, tokenizer, _, device = load_stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
+model, tokenizer, _, device = stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
 rows = passkey_accuracy(
     model,
     tokenizer,

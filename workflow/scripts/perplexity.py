@@ -1,13 +1,13 @@
 """NLL vs context length on held-out transfer-corpus text (hybrid_llama.eval.quality)."""
 
-from hl_script import load_stage_model, start
+from common import stage_model, start
 
 start(snakemake)
 
 from hybrid_llama.eval.quality import heldout_texts, perplexity_vs_context, write_perplexity_csv
 
 w, cfg = snakemake.wildcards, snakemake.params.perplexity
-model, tokenizer, _, device = load_stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
+model, tokenizer, _, device = stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
 texts = heldout_texts(
     dict(snakemake.params.source), n_docs=cfg["n_docs"], exclude_manifest=snakemake.input.manifest
 )

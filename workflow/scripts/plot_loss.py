@@ -1,6 +1,6 @@
 """Transfer (per-layer MSE) or LoRA (train/val) loss curves (hybrid_llama.report.plots)."""
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 

@@ -1,6 +1,6 @@
 """NLL vs context length and the passkey heatmap of one variant (hybrid_llama.report.quality_plots)."""
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 

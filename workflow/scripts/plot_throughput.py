@@ -1,6 +1,6 @@
 """Throughput and memory vs length for one model and device (hybrid_llama.report.plots)."""
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from hl_script import start
+from common import start
 
 start(snakemake, torch_threads=False)
 

@@ -1,10 +1,11 @@
 """Prefill/decode speed and memory vs length: base vs each variant's hybrid per backend."""
 
-from hl_script import model_dir, require_device, start
+from common import model_dir, start
 
 start(snakemake)
 
 from hybrid_llama.eval.throughput import build_throughput_variants, measure_throughput, write_csv
+from hybrid_llama.runtime import require_device
 
 device, cfg = require_device(snakemake.wildcards.device), snakemake.params.throughput
 variants = {}

@@ -2,7 +2,7 @@
 
 import json
 
-from hl_script import model_dir, start
+from common import model_dir, start
 
 start(snakemake, torch_threads=False)
 

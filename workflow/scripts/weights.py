@@ -3,11 +3,11 @@
 import json
 from pathlib import Path
 
-from hl_script import sha256_file, start
+from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.weights import resolve_model
+from hybrid_llama.weights import resolve_model, sha256_of
 
 import shutil
 
@@ -15,6 +15,6 @@ dest = Path(snakemake.output.config).parent
 # resolve_model refuses a directory made from another spec: a rerun (spec changed) starts clean.
 shutil.rmtree(dest, ignore_errors=True)
 dest = resolve_model(dict(snakemake.params.spec), dest)
-hashes = {p.name: sha256_file(p) for p in sorted(Path(dest).glob("*.safetensors"))}
+hashes = {p.name: sha256_of(p) for p in sorted(Path(dest).glob("*.safetensors"))}
 Path(dest, "hashes.json").write_text(json.dumps(hashes, indent=1) + "\n")
 print(json.dumps({"dest": str(dest), "sha256": hashes}, indent=1))

@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_llama.runtime import device_name, resolve_dtype
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 LETTERS = ("A", "B", "C", "D")
 SCHEMA = "hybrid_llama.mmlu/1"
 FORMATS = ("mc", "cloze")
+CHANCE = 0.25  # four answer choices
 
 # lm-eval's MMLU templates (tasks/mmlu/default and tasks/mmlu/continuation).
 _TEMPLATES = {
@@ -55,24 +58,6 @@ _TEMPLATES = {
         "metrics": ["acc", "acc_norm"],
     },
 }
-
-
-def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    import torch
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    return getattr(torch, str(dtype).replace("torch.", ""))
-
-
-def device_name(device: str | torch.device) -> str:
-    """Human-readable device: ``cpu`` or the CUDA device's product name."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return dev.type
 
 
 # ---------------------------------------------------------------- data -> lm-eval task YAMLs
@@ -253,7 +238,7 @@ def run_mmlu(
     if missing:
         raise ValueError(f"unknown MMLU subjects: {sorted(missing)}")
 
-    torch_dtype = _dtype(dtype)
+    torch_dtype = resolve_dtype(dtype)
     model = model.to(device=device, dtype=torch_dtype) if torch_dtype else model.to(device)
     model.eval()
     param_dtype = next(model.parameters()).dtype
@@ -328,7 +313,7 @@ def run_mmlu(
         "meta": meta,
         "model_hash": meta.get("model_hash"),
         "adapter_hash": meta.get("adapter_hash"),
-        "chance": 0.25,
+        "chance": CHANCE,
         "per_subject": per_subject,
         "aggregate": aggregate,
         "questions": questions,

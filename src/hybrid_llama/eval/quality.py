@@ -24,6 +24,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from hybrid_llama import data
+from hybrid_llama.runtime import resolve_dtype
 
 PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens")
 PASSKEY_COLUMNS = ("stage", "context_len", "depth", "accuracy", "n")
@@ -94,8 +95,7 @@ def heldout_texts(
 
 def _place(model, device, dtype) -> torch.device:
     """Move the model only when asked; otherwise evaluate where it already lives."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = resolve_dtype(dtype)
     if dtype is not None:
         model.to(dtype=dtype)
     if device is not None:

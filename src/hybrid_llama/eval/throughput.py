@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from hybrid_llama.runtime import device_name, resolve_dtype
+
 log = logging.getLogger(__name__)
 
 COLUMNS = [
@@ -43,14 +45,6 @@ COLUMNS = [
 ]
 
 Variant = tuple[Any, Any, str]  # (model, tokenizer or None, backend label)
-
-
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""))
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 # ---------------------------------------------------------------- memory
@@ -129,32 +123,9 @@ def _is_oom(exc: BaseException) -> bool:
 
 def cache_nbytes(cache: Any) -> int:
     """Bytes held by a generation cache (KV tensors and hybrid states)."""
-    try:
-        from hybrid_llama.models import hybrid_cache_nbytes
+    from hybrid_llama.models import hybrid_cache_nbytes
 
-        return int(hybrid_cache_nbytes(cache))
-    except ImportError:
-        pass
-    # Fallback: every distinct tensor storage reachable from the cache object.
-    seen_obj, seen_ptr, total = set(), set(), 0
-    stack = [cache]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen_obj:
-            continue
-        seen_obj.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            ptr = obj.untyped_storage().data_ptr()
-            if ptr not in seen_ptr:
-                seen_ptr.add(ptr)
-                total += obj.untyped_storage().nbytes()
-        elif isinstance(obj, dict):
-            stack += list(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack += list(obj)
-        elif hasattr(obj, "__dict__"):
-            stack += list(vars(obj).values())
-    return total
+    return int(hybrid_cache_nbytes(cache))
 
 
 # ---------------------------------------------------------------- decode
@@ -263,8 +234,8 @@ def measure_throughput(
     import pandas as pd
 
     dev = torch.device(device)
-    tdtype = _dtype(dtype)
-    dname = _device_name(dev)
+    tdtype = resolve_dtype(dtype)
+    dname = device_name(dev)
     mem = PeakMemory(dev)
     lens = sorted({int(n) for n in seq_lens})
     rows: list[dict] = []
@@ -371,7 +342,7 @@ def build_throughput_variants(
     from hybrid_llama.models import convert_to_hybrid
     from hybrid_llama.weights import load_model
 
-    tdtype = _dtype(dtype)
+    tdtype = resolve_dtype(dtype)
     cfg = {k: v for k, v in dict(hybrid_cfg).items() if k != "backend"}
 
     def base() -> Variant:

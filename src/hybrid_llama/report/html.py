@@ -23,16 +23,12 @@ from typing import Any, Iterable
 
 import yaml
 
-STAGE_ORDER = ["base", "transfer", "transfer_lora", "base_lora"]
-STAGE_LABELS = {
-    "base": "base",
-    "transfer": "hybrid after transfer",
-    "transfer_lora": "hybrid after transfer + LoRA",
-    "base_lora": "base + LoRA (control)",
-}
+from hybrid_llama.eval.mmlu import CHANCE
+from hybrid_llama.pipeline import STAGE_LABELS, STAGES, parse_result_path, path
+
+STAGE_ORDER = list(STAGES)
 PACKAGES = ["hybrid-llama", "torch", "transformers", "peft", "lm_eval", "triton", "snakemake",
             "safetensors", "tokenizers", "datasets", "numpy", "pandas", "matplotlib", "jinja2"]
-CHANCE = 0.25
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -341,17 +337,17 @@ def build_context(
     from hybrid_llama.report.summary import summarize
 
     mmlu_table, pairs = mmlu_rows(mmlu)
-    plots_by_name = {Path(p).name: _parse_plot(Path(p)) for p in plots}
+    plots_by_path = {Path(p).as_posix(): _parse_plot(Path(p)) for p in plots}
 
-    def plot(name: str) -> dict | None:
-        return plots_by_name.get(name)
+    def plot(name: str, **wildcards) -> dict | None:
+        """The embedded plot of artifact ``name`` (a PATHS key), if it was an input."""
+        want = path(name, **wildcards)
+        return next((v for k, v in plots_by_path.items() if k == want or k.endswith("/" + want)), None)
 
-    # quality: results/{model}/{variant}/quality/{device}/{perplexity,passkey}.csv
     qual = defaultdict(dict)
     for p in quality:
-        p = Path(p)
-        model, variant, device = p.parts[-5], p.parts[-4], p.parts[-2]
-        qual[model, variant, device][p.stem] = p
+        w = parse_result_path(p, ["quality"])[1]
+        qual[w["model"], w["variant"], w["device"]][w["kind"]] = Path(p)
     quality_sections, summary = [], []
     for (model, variant, device), files in sorted(qual.items()):
         tables = quality_tables(files.get("perplexity"), files.get("passkey"))
@@ -359,25 +355,25 @@ def build_context(
         summary += [f"{model}/{variant} on {device}: {s}" for s in sentences]
         quality_sections.append({
             "model": model, "variant": variant, "device": device, **tables,
-            "nll_plot": plot(f"{model}_{variant}_nll_{device}.png"),
-            "passkey_plot": plot(f"{model}_{variant}_passkey_{device}.png"),
+            "nll_plot": plot("plot_nll", model=model, variant=variant, device=device),
+            "passkey_plot": plot("plot_passkey", model=model, variant=variant, device=device),
         })
     summary += summarize(None, None, pairs)
 
     throughput_sections = []
     for p in throughput:
-        p = Path(p)
-        model, device = p.parts[-3], p.stem
+        w = parse_result_path(p, ["throughput"])[1]
+        model, device = w["model"], w["device"]
         throughput_sections.append({
             "model": model, "device": device, **throughput_tables(p),
-            "plot": plot(f"{model}_throughput_{device}.png"),
-            "memory_plot": plot(f"{model}_memory_{device}.png"),
+            "plot": plot("plot_throughput", model=model, device=device),
+            "memory_plot": plot("plot_memory", model=model, device=device),
         })
 
     transfer_sections = []
     for p in transfer_metrics:
-        p = Path(p)
-        model, variant = p.parts[-4], p.parts[-3]
+        w = parse_result_path(p, ["transfer_metrics"])[1]
+        model, variant = w["model"], w["variant"]
         m = _read_json(p)
         before, after = m.get("mse_before") or {}, m.get("mse_after") or {}
         layers = sorted(set(before) | set(after), key=lambda x: int(x) if str(x).isdigit() else 0)
@@ -387,19 +383,19 @@ def build_context(
                         "ratio": _fmt(_num(after.get(k)) / _num(before.get(k)), ".3f")} for k in layers],
             "facts": {k: m.get(k) for k in ("steps", "train_tokens", "tokens_per_s", "wall_time_s",
                                             "trainable", "num_trainable_params") if k in m},
-            "plot": plot(f"{model}_{variant}_transfer_loss.png"),
+            "plot": plot("plot_transfer_loss", model=model, variant=variant),
         })
 
     lora_sections = []
     for p in lora_metrics:
-        p = Path(p)
-        model, slot = p.parts[-4], p.parts[-3]
+        w = parse_result_path(p, ["lora_metrics"])[1]
+        model, slot = w["model"], w["variant"]
         m = _read_json(p)
         lora_sections.append({
             "model": model, "variant": slot,
             "facts": {k: m.get(k) for k in ("val_loss_before", "val_loss_after", "train_loss_final", "steps",
                                             "tokens_per_s", "wall_time_s") if k in m},
-            "plot": plot(f"{model}_{slot}_lora_loss.png"),
+            "plot": plot("plot_lora_loss", model=model, variant=slot),
         })
 
     gens = defaultdict(lambda: defaultdict(dict))
@@ -443,7 +439,7 @@ def build_context(
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
         "mmlu": mmlu_table,
-        "mmlu_plots": [v for k, v in sorted(plots_by_name.items()) if "_mmlu_" in k],
+        "mmlu_plots": [v for k, v in sorted(plots_by_path.items()) if parse_result_path(k)[0] == "plot_mmlu"],
         "chance": CHANCE,
         "throughput": throughput_sections,
         "transfer": transfer_sections,

@@ -17,7 +17,7 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator
 
-CHANCE = 0.25
+from hybrid_llama.eval.mmlu import CHANCE
 
 
 def _save(fig: Figure, out_stem: str | Path) -> list[Path]:

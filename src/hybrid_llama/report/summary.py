@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-CHANCE = 0.25  # four-choice MMLU
+from hybrid_llama.eval.mmlu import CHANCE
 
 
 def _stages(rows: list[dict]) -> list[str]:

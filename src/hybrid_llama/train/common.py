@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 __all__ = [
     "NonFiniteError",
     "StopTraining",
-    "TRAIN_DEFAULTS",
+    "RUN_DEFAULTS",
+    "stage_defaults",
     "merge_config",
     "seed_everything",
     "pick_device",
@@ -58,30 +59,21 @@ class StopTraining(Exception):
     """Raise from a callback to stop a run early (the last checkpoint stays, a rerun resumes)."""
 
 
-# Keys common to both stages; each stage adds its own and overrides defaults.
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "lr": 1e-3,
-    "logits_lr": None,
-    "weight_decay": 0.0,
-    "betas": [0.9, 0.999],
-    "schedule": "cosine",
-    "warmup_ratio": 0.05,
-    "min_lr_ratio": 0.1,
-    "grad_clip": 1.0,
-    "batch_size": 4,
-    "grad_accum": 1,
-    "epochs": 1,
-    "max_steps": None,
-    "seed": 0,
-    "device": "auto",
-    "dtype": "float32",
-    "autocast": True,
-    "checkpoint_every": 50,
+# How a run is executed rather than what it trains: not part of the recipe, so not in the config
+# schema (the workflow sets checkpoint_dir itself). Recipe defaults come from the schema.
+RUN_DEFAULTS: dict[str, Any] = {
     "checkpoint_dir": None,
-    "keep_checkpoints": 2,
     "resume": True,
     "progress": True,
 }
+
+
+def stage_defaults(section: str) -> dict[str, Any]:
+    """The defaults of a training stage: the config schema's section ("transfer" | "lora") plus the
+    run options. The workflow fills the same schema defaults, so both train the same recipe."""
+    from hybrid_llama.pipeline import schema_defaults
+
+    return {**schema_defaults(section), **RUN_DEFAULTS}
 
 
 def merge_config(given: dict | None, defaults: dict, what: str) -> dict:
@@ -465,11 +457,15 @@ def run_steps(
 
 
 def add_hybrid_arguments(ap, *, layers_help: str, layers_required: bool) -> None:
-    """The hybrid-layout flags shared by the training CLIs."""
+    """The hybrid-layout flags shared by the training CLIs (defaults from the config schema)."""
+    from hybrid_llama.pipeline import hybrid_defaults
+
+    d = hybrid_defaults()
     ap.add_argument("--layers", required=layers_required, default=None, help=layers_help)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--feature-map", default="elu1")
-    ap.add_argument("--formulation", default="hybrid")
+    ap.add_argument("--window", type=int, default=d["window"])
+    ap.add_argument("--feature-map", default=d["feature_map"])
+    ap.add_argument("--formulation", default=d["formulation"])
+    ap.add_argument("--backend", default=d["backend"])
 
 
 def hybrid_from_arguments(args) -> dict | None:
@@ -477,4 +473,4 @@ def hybrid_from_arguments(args) -> dict | None:
     if not args.layers:
         return None
     return {"layers": [int(x) for x in args.layers.split(",")], "window": args.window,
-            "feature_map": args.feature_map, "formulation": args.formulation}
+            "feature_map": args.feature_map, "formulation": args.formulation, "backend": args.backend}

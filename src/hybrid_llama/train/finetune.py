@@ -24,7 +24,7 @@ from torch import nn
 from hybrid_llama.data import IGNORE_INDEX, load_instruct
 from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.common import (
-    TRAIN_DEFAULTS,
+    stage_defaults,
     LossCSV,
     add_hybrid_arguments,
     NonFiniteError,
@@ -39,19 +39,8 @@ from hybrid_llama.train.common import (
 
 __all__ = ["run_finetune", "FINETUNE_DEFAULTS", "lora_targets", "validation_loss"]
 
-FINETUNE_DEFAULTS: dict[str, Any] = {
-    **TRAIN_DEFAULTS,
-    "r": 8,
-    "alpha": 16,
-    "dropout": 0.0,
-    "target": "hybrid",
-    "layers": None,
-    "lr": 1e-4,
-    "warmup_ratio": 0.03,
-    "batch_size": 8,
-    "max_length": None,
-    "max_val_examples": None,
-}
+# The schema's lora section (config/schema.yaml).
+FINETUNE_DEFAULTS: dict[str, Any] = stage_defaults("lora")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -148,13 +137,11 @@ def run_finetune(
 
     ``hybrid`` (HybridConfig | dict) with ``hybrid_layers`` (``run_transfer``'s safetensors) builds the
     transferred model; ``hybrid`` without ``hybrid_layers`` converts without transfer.
-    ``lora`` keys and defaults: r 8, alpha 16, dropout 0.0, target "hybrid" ("hybrid" | "all"),
-    layers None (explicit LoRA layer list; default hybrid.layers for target hybrid, all layers for
-    "all" or when hybrid is None), lr 1e-4, weight_decay 0.0, betas [0.9, 0.999], schedule "cosine",
-    warmup_ratio 0.03, min_lr_ratio 0.1, grad_clip 1.0, batch_size 8, grad_accum 1, epochs 1,
-    max_steps None, max_length None (truncate rows further), max_val_examples None, seed 0, device
-    "auto", dtype "float32", autocast True (bf16 on CUDA only), checkpoint_every 50, checkpoint_dir
-    None (= out_dir/checkpoints), keep_checkpoints 2, resume True, progress True.
+    ``lora``: the keys of the config schema's ``lora`` section (config/schema.yaml documents each
+    one; missing keys take the schema's defaults, ``FINETUNE_DEFAULTS``), plus the run options
+    checkpoint_dir (None = out_dir/checkpoints), resume and progress. LoRA goes on ``layers`` when
+    given, else on the hybrid layers for target "hybrid", else on every layer ("all", or when
+    hybrid is None).
 
     Writes a peft adapter (``adapter_config.json``, ``adapter_model.safetensors``), ``loss.csv``
     (step,split,loss with split train|val; val at step 0 = before training and after each epoch)

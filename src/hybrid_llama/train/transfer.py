@@ -25,7 +25,7 @@ from torch import nn
 from hybrid_llama.data import load_packed
 from hybrid_llama.stages import as_hybrid_config, load_base, resolve_dtype
 from hybrid_llama.train.common import (
-    TRAIN_DEFAULTS,
+    stage_defaults,
     LossCSV,
     add_hybrid_arguments,
     autocast,
@@ -40,13 +40,8 @@ from hybrid_llama.train.common import (
 
 __all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_CHOICES", "layer_mse"]
 
-TRANSFER_DEFAULTS: dict[str, Any] = {
-    **TRAIN_DEFAULTS,
-    "logits_lr": 0.05,
-    "trainable": "auto",
-    "eval_path": None,
-    "eval_sequences": 4,
-}
+# The schema's transfer section (config/schema.yaml) plus where the held-out rows come from.
+TRANSFER_DEFAULTS: dict[str, Any] = {**stage_defaults("transfer"), "eval_path": None}
 TRAINABLE_CHOICES = ("auto", "logits", "logits+feature_map", "logits+qkvo", "logits+feature_map+qkvo")
 QKVO = ("q_proj.", "k_proj.", "v_proj.", "o_proj.")
 
@@ -164,16 +159,12 @@ def run_transfer(
 ) -> dict:
     """Train the hybrid layers of ``hybrid`` to match the frozen base model; returns the metrics dict.
 
-    ``hybrid``: HybridConfig or dict (layers required; window 64, formulation "hybrid", feature_map
-    "elu1", backend "auto"). ``train`` keys and defaults: trainable "auto" (logits+qkvo, plus
-    feature_map when it has parameters; or "logits" | "logits+feature_map" | "logits+qkvo" |
-    "logits+feature_map+qkvo"), lr 1e-3, logits_lr 0.05 (lr of the mixing logits; None = lr),
-    weight_decay 0.0, betas [0.9, 0.999], schedule "cosine" (| "linear" | "constant"), warmup_ratio
-    0.05, min_lr_ratio 0.1, grad_clip 1.0 (per layer), batch_size 4, grad_accum 1, epochs 1, max_steps None, eval_path None (held-out packed file; None = the last
-    ``eval_sequences`` rows of ``packed_path``, excluded from training), eval_sequences 4, seed 0,
-    device "auto", dtype "float32" (teacher weights; students are always fp32), autocast True (bf16 on
-    CUDA only), checkpoint_every 50, checkpoint_dir None (= out_dir/checkpoints), keep_checkpoints 2,
-    resume True, progress True.
+    ``hybrid``: HybridConfig or dict (layers required; the other keys default as in HybridConfig).
+    ``train``: the keys of the config schema's ``transfer`` section (config/schema.yaml documents
+    each one; missing keys take the schema's defaults, ``TRANSFER_DEFAULTS``), plus the run options
+    checkpoint_dir (None = out_dir/checkpoints), resume, progress, and eval_path (a held-out packed
+    file; None = the last ``eval_sequences`` rows of ``packed_path``, excluded from training).
+    Students train in fp32; ``dtype`` is the teacher's.
 
     ``callback(step, logs)`` is called after every optimizer step (and checkpoint); raising
     ``StopTraining`` from it simulates a kill. Writes ``hybrid_layers.safetensors`` (every parameter of

@@ -1,0 +1,456 @@
+"""The workflow's vocabulary: stages, result slots, artifact paths and config resolution.
+
+Everything the Snakemake rules, the workflow scripts and the report need to agree on lives here,
+importable without torch (the Snakefile imports it at parse time):
+
+- ``STAGES`` and ``SHARED_STAGES``: the models a run evaluates. Shared stages (the base model and
+  the base + LoRA control) do not depend on a variant; their results live under a *slot* of the
+  same name (``results/{model}/base/...``), variant stages under the variant's name.
+- ``PATHS``: one table of path templates. Rules take their inputs and outputs from it and the
+  report finds files with ``parse_result_path``, so renaming an artifact is a one-line change.
+- ``Pipeline``: a validated config (``config/schema.yaml`` fills the defaults) with the per-rule
+  views of it (each rule's params hold only the keys it uses, so Snakemake reruns exactly what a
+  change affects), the semantic checks JSON Schema cannot express, and the target lists.
+- ``schema_defaults``: the defaults of a schema section; the training code takes its defaults from
+  here, so the workflow, the library and the CLIs train the same recipe.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybrid_llama.eval.mmlu import FORMATS as MMLU_FORMATS
+
+SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
+
+STAGES = ("base", "transfer", "transfer_lora", "base_lora")
+SHARED_STAGES = ("base", "base_lora")
+STAGE_LABELS = {
+    "base": "base",
+    "transfer": "hybrid after transfer",
+    "transfer_lora": "hybrid after transfer + LoRA",
+    "base_lora": "base + LoRA (control)",
+}
+QUALITY_KINDS = ("perplexity", "passkey")
+
+# Every artifact of the workflow. {variant} is the result slot: a variant's name, or a shared
+# stage's name (base, base_lora) for results that do not depend on a variant.
+PATHS: dict[str, str] = {
+    "weights": "resources/weights/{model}/config.json",
+    "weight_hashes": "resources/weights/{model}/hashes.json",
+    "transfer_corpus": "resources/data/transfer/{model}.safetensors",
+    "transfer_manifest": "resources/data/transfer/{model}.json",
+    "instruct_data": "resources/data/instruct/{model}.safetensors",
+    "instruct_manifest": "resources/data/instruct/{model}.json",
+    "mmlu_manifest": "resources/data/mmlu/manifest.json",
+    "hybrid_layers": "results/{model}/{variant}/transfer/hybrid_layers.safetensors",
+    "transfer_metrics": "results/{model}/{variant}/transfer/metrics.json",
+    "transfer_loss": "results/{model}/{variant}/transfer/loss.csv",
+    "adapter": "results/{model}/{variant}/lora/adapter_model.safetensors",
+    "adapter_config": "results/{model}/{variant}/lora/adapter_config.json",
+    "lora_metrics": "results/{model}/{variant}/lora/metrics.json",
+    "lora_loss": "results/{model}/{variant}/lora/loss.csv",
+    "mmlu": "results/{model}/{variant}/mmlu/{device}/{stage}/{fmt}_{shots}shot.json",
+    "stage_quality": "results/{model}/{variant}/quality/{device}/{stage}/{kind}.csv",
+    "quality": "results/{model}/{variant}/quality/{device}/{kind}.csv",
+    "generations": "results/{model}/{variant}/generations/{stage}.json",
+    "throughput": "results/{model}/throughput/{device}.csv",
+    # One folder per model (and variant): names joined by '_' could not be split back apart.
+    "plot_mmlu": "results/plots/{model}/mmlu_{fmt}.png",
+    "plot_throughput": "results/plots/{model}/throughput_{device}.png",
+    "plot_memory": "results/plots/{model}/memory_{device}.png",
+    "plot_nll": "results/plots/{model}/{variant}/nll_{device}.png",
+    "plot_passkey": "results/plots/{model}/{variant}/passkey_{device}.png",
+    "plot_transfer_loss": "results/plots/{model}/{variant}/transfer_loss.png",
+    "plot_lora_loss": "results/plots/{model}/{variant}/lora_loss.png",
+    "report": "results/report.html",
+    "log": "logs/{job}.log",
+    "benchmark": "logs/benchmarks/{job}.tsv",
+    "checkpoints": "resources/checkpoints/{kind}/{model}/{variant}/{key}",
+}
+
+# What each wildcard may look like (names come from the config, checked against this pattern by the
+# schema). Results are matched most specific first, so e.g. a plot is never read as a stage file.
+WILDCARD_PATTERNS = {
+    "model": r"[A-Za-z0-9][A-Za-z0-9_-]*",
+    "variant": r"[A-Za-z0-9][A-Za-z0-9_-]*",
+    "stage": "|".join(STAGES),
+    "device": r"cpu|cuda(?::\d+)?(?:-[A-Za-z0-9_]+)?",
+    "fmt": "|".join(MMLU_FORMATS),
+    "shots": r"\d+",
+    "kind": r"[a-z_]+",
+    "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
+    "key": r"[0-9a-f]+",
+}
+
+
+class ConfigError(ValueError):
+    """A config value the workflow cannot run with; the message names the key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"Invalid config value at '{key}': {message}")
+        self.key = key
+
+
+def path(name: str, **wildcards: Any) -> str:
+    """The path of artifact ``name`` with its wildcards filled in (any left out stay as ``{x}``)."""
+    template = PATHS[name]
+    return re.sub(r"\{(\w+)\}", lambda m: str(wildcards.get(m.group(1), m.group(0))), template)
+
+
+@functools.lru_cache(maxsize=None)
+def _path_regex(name: str) -> re.Pattern:
+    parts = re.split(r"(\{\w+\})", PATHS[name])
+    regex = "".join(
+        f"(?P<{p[1:-1]}>{WILDCARD_PATTERNS.get(p[1:-1], '[^/]+')})" if p.startswith("{") else re.escape(p)
+        for p in parts
+    )
+    return re.compile(regex + "$")
+
+
+def parse_result_path(file: str | os.PathLike, names: Iterable[str] | None = None) -> tuple[str, dict[str, str]]:
+    """(artifact name, wildcards) of a workflow file, matched against ``PATHS`` (relative or absolute
+    paths; the template must match the path's end). Raises ValueError for a file no template matches."""
+    text = Path(file).as_posix()
+    for name in names or PATHS:
+        m = _path_regex(name).search(text)
+        if m and (m.start() == 0 or text[m.start() - 1] == "/"):
+            return name, m.groupdict()
+    raise ValueError(f"{file}: not a workflow artifact (no template in hybrid_llama.pipeline.PATHS matches)")
+
+
+# ------------------------------------------------------------------------------------------- schema
+
+
+@functools.lru_cache(maxsize=1)
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def schema_defaults(section: str) -> dict[str, Any]:
+    """The defaults the schema gives a top-level section (e.g. "transfer", "lora"), keys in schema order."""
+    schema = load_schema()
+    node = schema["properties"][section]
+    defaults: dict[str, Any] = {}
+    for sub in [node, *node.get("allOf", [])]:
+        if "$ref" in sub:
+            sub = schema["$defs"][sub["$ref"].split("/")[-1]]
+        for key, prop in sub.get("properties", {}).items():
+            if "default" in prop:
+                defaults[key] = copy.deepcopy(prop["default"])
+    return defaults
+
+
+def hybrid_defaults() -> dict[str, Any]:
+    """The defaults of a variant's ``hybrid`` block (everything but ``layers``)."""
+    props = load_schema()["$defs"]["hybrid"]["properties"]
+    return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
+
+
+def deep_merge(base: dict, override: dict | None) -> dict:
+    """A copy of ``base`` with ``override``'s keys replacing base's (recursively for dicts)."""
+    out = copy.deepcopy(base)
+    for key, value in (override or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def canonical(obj: Any) -> Any:
+    """``obj`` with every dict's keys sorted: Snakemake compares params as text, so the order of keys
+    in a config file must not look like a change."""
+    if isinstance(obj, dict):
+        return {k: canonical(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [canonical(x) for x in obj]
+    return obj
+
+
+def settings_key(*parts: Any) -> str:
+    """A short hash of settings (checkpoint directories are keyed by it: a changed config never
+    resumes a stale run)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(canonical(list(parts)), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def is_cuda(device: str) -> bool:
+    return str(device).startswith("cuda")
+
+
+def torch_device(device: str) -> str:
+    """The torch device of a config/wildcard device: the part before a cluster label ('cuda:1-a100')."""
+    return str(device).split("-", 1)[0]
+
+
+def shared_data_dir(setting: str = "auto", repo: str | os.PathLike | None = None) -> Path:
+    """The offline data mirror: ``setting`` unless 'auto', else $HYBRID_LLAMA_SHARED_DATA, else
+    ``shared/data`` beside the repository (``repo``, default this checkout)."""
+    if setting != "auto":
+        return Path(setting)
+    env = os.environ.get("HYBRID_LLAMA_SHARED_DATA")
+    if env:
+        return Path(env)
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[2]
+    return repo.resolve().parent / "shared" / "data"
+
+
+# ----------------------------------------------------------------------------------------- pipeline
+
+
+class Pipeline:
+    """A config validated against the schema (defaults filled), with its views, checks and targets."""
+
+    def __init__(self, config: dict, repo: str | os.PathLike) -> None:
+        self.config = config
+        self.repo = Path(repo)
+        self.models = self._by_name("models")
+        self.variants = self._by_name("variants")
+        self.devices = list(config["devices"])
+        self.stages = [s for s in STAGES if s in config["stages"]]
+
+    def _by_name(self, section: str) -> dict[str, dict]:
+        """{name: entry without 'name'} of a named list (models, variants); duplicate names fail."""
+        out: dict[str, dict] = {}
+        for i, entry in enumerate(self.config[section]):
+            name = entry["name"]
+            if name in out:
+                raise ConfigError(f"{section}[{i}].name", f"duplicate name '{name}'")
+            out[name] = {k: v for k, v in entry.items() if k != "name"}
+        return out
+
+    # ---- data
+
+    def shared_data(self) -> Path:
+        return shared_data_dir(self.config.get("shared_data", "auto"), self.repo)
+
+    def local_data_path(self, rel: str) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else self.shared_data() / p
+
+    def data_kind(self, name: str) -> str:
+        """'local' or 'hf' for data set ``name`` (transfer | instruct | mmlu), resolving 'auto'."""
+        cfg = self.config["data"][name]
+        if cfg["source"] != "auto":
+            return cfg["source"]
+        return "local" if self.local_data_path(cfg["local"]).exists() else "hf"
+
+    def data_source(self, name: str) -> dict:
+        """The ``hybrid_llama.data`` source spec of data set ``name`` (transfer | instruct)."""
+        cfg = self.config["data"][name]
+        if self.data_kind(name) == "local":
+            spec = {"kind": "local", "path": str(self.local_data_path(cfg["local"]))}
+        else:
+            spec = {"kind": "hf", **cfg["hf"]}
+        if name == "transfer":
+            spec["text_column"] = cfg["text_column"]
+        return canonical(spec)
+
+    def data_settings(self, name: str) -> dict:
+        """The prepare_* keyword arguments of data set ``name`` (everything but where it comes from)."""
+        skip = {"source", "local", "hf", "text_column"}
+        out = {k: v for k, v in self.config["data"][name].items() if k not in skip}
+        if name == "transfer":
+            out["split"] = "train" if out["heldout_fraction"] > 0 else "all"
+        return canonical(out)
+
+    def local_data_inputs(self, name: str) -> list[str]:
+        """The local file of a data set, as an input (so a changed file reruns its rule)."""
+        if self.data_kind(name) != "local":
+            return []
+        p = self.local_data_path(self.config["data"][name]["local"])
+        return [str(p)] if p.is_file() else []
+
+    def mmlu_data(self) -> dict:
+        if self.data_kind("mmlu") == "local":
+            return {"kind": "local", "path": str(self.local_data_path(self.config["data"]["mmlu"]["local"]))}
+        # Downloaded once by the local rule mmlu_download into the same layout as the mirror.
+        return {"kind": "local", "path": str(Path(PATHS["mmlu_manifest"]).parent)}
+
+    def mmlu_settings(self) -> dict:
+        """MMLU params shared by every MMLU job; shots and format are wildcards, not params."""
+        keep = ("limit", "subjects", "batch_size", "dtype")
+        return canonical({"data": self.mmlu_data(), **{k: self.config["mmlu"][k] for k in keep}})
+
+    # ---- per-variant settings
+
+    def hybrid(self, variant: str) -> dict:
+        return canonical(self.variants[variant]["hybrid"])
+
+    def transfer(self, variant: str) -> dict:
+        return canonical(deep_merge(self.config["transfer"], self.variants[variant].get("transfer")))
+
+    def lora(self, variant: str) -> dict:
+        """LoRA settings of a variant; 'base_lora' gives the control's settings."""
+        if variant == "base_lora":
+            return canonical(deep_merge(self.config["lora"], self.config["base_lora"]))
+        return canonical(deep_merge(self.config["lora"], self.variants[variant].get("lora")))
+
+    def section(self, *keys: str) -> Any:
+        """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
+        node = self.config
+        for key in keys:
+            node = node[key]
+        return canonical(node)
+
+    # ---- checks the schema cannot express (run at parse time, before any job)
+
+    def model_architecture(self, model: str) -> dict:
+        """num_hidden_layers / max_position_embeddings of a model, from its resolved config.json, a
+        local directory, a random preset or the known sources; {} when unknown before download."""
+        from hybrid_llama.weights import known_architecture
+
+        spec = self.models[model]
+        candidates = [Path(path("weights", model=model))]  # resolved already (relative to the workdir)
+        if spec["kind"] == "local":
+            candidates.insert(0, Path(spec["path"]) / "config.json")
+        for file in candidates:
+            if file.is_file():
+                try:
+                    return json.loads(file.read_text())
+                except ValueError:
+                    pass
+        return known_architecture(spec)
+
+    def check(self) -> None:
+        """Raise ConfigError (naming the key) for what the schema cannot catch."""
+        for model in self.models:
+            n_layers = self.model_architecture(model).get("num_hidden_layers")
+            for v in self.variants:
+                self._check_layers(f"variants[{v}].hybrid.layers", self.hybrid(v)["layers"], model, n_layers)
+                self._check_layers(f"variants[{v}].lora.layers", self.lora(v).get("layers"), model, n_layers)
+            self._check_layers("base_lora.layers", self.lora("base_lora").get("layers"), model, n_layers)
+
+        for name in ("transfer", "instruct", "mmlu"):
+            cfg = self.config["data"][name]
+            if cfg["source"] == "local" and not self.local_data_path(cfg["local"]).exists():
+                raise ConfigError(
+                    f"data.{name}.local",
+                    f"{self.local_data_path(cfg['local'])} does not exist (shared_data = {self.shared_data()})",
+                )
+
+        subjects = self.config["mmlu"]["subjects"]
+        if self.data_kind("mmlu") == "local" and subjects:
+            test_dir = self.local_data_path(self.config["data"]["mmlu"]["local"]) / "test"
+            missing = [s for s in subjects if not (test_dir / f"{s}_test.csv").is_file()]
+            if missing:
+                raise ConfigError("mmlu.subjects", f"unknown subjects {missing} (no file in {test_dir})")
+
+        tcfg = self.config["data"]["transfer"]
+        if tcfg["num_tokens"] is not None:
+            rows = tcfg["num_tokens"] // tcfg["seq_len"]
+            for v in self.variants:
+                need = self.transfer(v)["eval_sequences"] + 1
+                if rows < need:
+                    raise ConfigError(
+                        "data.transfer.num_tokens",
+                        f"{tcfg['num_tokens']} tokens make {rows} rows of seq_len {tcfg['seq_len']}; "
+                        f"variant '{v}' needs at least {need} (eval_sequences + 1)",
+                    )
+
+    @staticmethod
+    def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int | None) -> None:
+        if layers is None or n_layers is None:
+            return
+        bad = [i for i in layers if i >= n_layers]
+        if bad:
+            raise ConfigError(
+                key,
+                f"layer index {bad[0]} is beyond model '{model}', which has {n_layers} layers "
+                f"(valid: 0..{n_layers - 1})",
+            )
+
+    # ---- stages, slots and the files a stage's model is built from
+
+    def eval_slots(self) -> list[tuple[str, str]]:
+        """(slot, stage) pairs to evaluate: shared stages once, variant stages per variant."""
+        pairs = [(s, s) for s in self.stages if s in SHARED_STAGES]
+        return pairs + [(v, s) for v in self.variants for s in self.stages if s not in SHARED_STAGES]
+
+    def stage_inputs(self, model: str, slot: str, stage: str) -> dict[str, str]:
+        """The files a stage's model is built from: weights (+ transfer layers) (+ LoRA adapter)."""
+        if (slot in SHARED_STAGES) != (stage in SHARED_STAGES) or (slot in SHARED_STAGES and slot != stage):
+            raise ValueError(f"stage '{stage}' is not evaluated under '{slot}'")
+        files = {"weights": path("weights", model=model)}
+        if stage in ("transfer", "transfer_lora"):
+            files["layers"] = path("hybrid_layers", model=model, variant=slot)
+        if stage in ("transfer_lora", "base_lora"):
+            files["adapter"] = path("adapter", model=model, variant=slot)
+        return files
+
+    def stage_hybrid(self, slot: str, stage: str) -> dict | None:
+        """The hybrid settings of a stage's model (None for the plain model)."""
+        return self.hybrid(slot) if stage in ("transfer", "transfer_lora") else None
+
+    def lora_slots(self) -> list[str]:
+        slots = list(self.variants) if "transfer_lora" in self.stages else []
+        return slots + (["base_lora"] if "base_lora" in self.stages else [])
+
+    def trains_transfer(self) -> bool:
+        return bool({"transfer", "transfer_lora"} & set(self.stages))
+
+    # ---- targets
+
+    def mmlu_files(self, model: str, fmt: str | None = None) -> list[str]:
+        fmts = [fmt] if fmt else self.config["mmlu"]["formats"]
+        return [
+            path("mmlu", model=model, variant=slot, device=d, stage=stage, fmt=f, shots=shots)
+            for d in self.devices
+            for slot, stage in self.eval_slots()
+            for f in fmts
+            for shots in self.config["mmlu"]["shots"]
+        ]
+
+    def stage_quality_files(self, model: str, variant: str, device: str, kind: str) -> list[str]:
+        """Per-stage quality CSVs that make up one variant's table (shared stages included)."""
+        return [
+            path("stage_quality", model=model, variant=s if s in SHARED_STAGES else variant, device=device,
+                 stage=s, kind=kind)
+            for s in self.stages
+        ]
+
+    def report_inputs(self) -> dict[str, list[str]]:
+        m_, v_, d_ = list(self.models), list(self.variants), self.devices
+        plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
+        plots += [path(k, model=m, device=d) for m in m_ for d in d_ for k in ("plot_throughput", "plot_memory")]
+        plots += [path(k, model=m, variant=v, device=d) for m in m_ for v in v_ for d in d_
+                  for k in ("plot_nll", "plot_passkey")]
+        if self.trains_transfer():
+            plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in v_]
+        plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
+        return {
+            "mmlu": [f for m in m_ for f in self.mmlu_files(m)],
+            "quality": [path("quality", model=m, variant=v, device=d, kind=k)
+                        for m in m_ for v in v_ for d in d_ for k in QUALITY_KINDS],
+            "throughput": [path("throughput", model=m, device=d) for m in m_ for d in d_],
+            "generations": [path("generations", model=m, variant=slot, stage=stage)
+                            for m in m_ for slot, stage in self.eval_slots()],
+            "plots": plots,
+            "transfer_metrics": [path("transfer_metrics", model=m, variant=v)
+                                 for m in m_ for v in v_ if self.trains_transfer()],
+            "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
+            "manifests": [path("transfer_manifest", model=m) for m in m_]
+            + [path("instruct_manifest", model=m) for m in m_ if self.lora_slots()],
+        }
+
+    def wildcard_constraints(self) -> dict[str, str]:
+        alternatives = lambda names: "|".join(re.escape(n) for n in names)  # noqa: E731
+        return {
+            "model": alternatives(self.models),
+            "variant": alternatives([*self.variants, *SHARED_STAGES]),
+            "stage": alternatives(STAGES),
+            "device": WILDCARD_PATTERNS["device"],
+            "fmt": alternatives(MMLU_FORMATS),
+            "shots": WILDCARD_PATTERNS["shots"],
+        }

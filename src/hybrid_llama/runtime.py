@@ -1,0 +1,59 @@
+"""Devices and dtypes as the config names them, turned into torch objects (torch is imported lazily:
+the workflow imports this package's tables at parse time)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def resolve_dtype(dtype: Any) -> torch.dtype | None:
+    """A torch dtype from a name ('float32', 'bf16', 'torch.float16', ...), a dtype, or None/'auto' (None)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}.get(name, name)
+    if name is None:
+        return None
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return dt
+
+
+def require_device(device: str) -> str:
+    """The torch device of a config/wildcard device; raise if it names CUDA and there is none.
+
+    Devices may carry a label for the cluster profile ('cuda-h100', 'cuda:1-a100'): the torch
+    device is the part before '-'. Inside a SLURM job only the allocated GPU is visible (as
+    cuda:0), so there any 'cuda:N' runs on the one GPU torch sees.
+    """
+    device = str(device).split("-", 1)[0]
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device '{device}' was requested (config 'devices' or a 'device' key) but "
+                f"torch.cuda.is_available() is False on this host; run on a GPU node or use 'cpu'"
+            )
+        index = int(device.split(":")[1]) if ":" in device else 0
+        count = torch.cuda.device_count()
+        if os.environ.get("SLURM_JOB_ID") and count == 1:
+            return "cuda:0"
+        if index >= count:
+            raise RuntimeError(f"device '{device}' was requested but only {count} CUDA device(s) exist")
+    return device
+
+
+def device_name(device: Any) -> str:
+    """Human-readable device: ``cpu`` or the CUDA device's product name."""
+    import torch
+
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type

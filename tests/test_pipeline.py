@@ -1,0 +1,170 @@
+"""hybrid_llama.pipeline: the path table, config resolution and checks, without running Snakemake
+(except to resolve a config exactly as the workflow does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from snakemake.utils import validate
+
+from hybrid_llama import pipeline
+from hybrid_llama.pipeline import (
+    PATHS,
+    ConfigError,
+    Pipeline,
+    canonical,
+    deep_merge,
+    parse_result_path,
+    path,
+    schema_defaults,
+)
+
+MINIMAL = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
+           "variants": [{"name": "v", "hybrid": {"layers": [0]}}]}
+
+
+def resolved(cfg: dict) -> dict:
+    """A config with the schema's defaults filled in, exactly as the Snakefile's validate() does."""
+    cfg = json.loads(json.dumps(cfg))
+    validate(cfg, str(pipeline.SCHEMA_PATH))
+    return cfg
+
+
+def make(cfg: dict | None = None, **overrides) -> Pipeline:
+    return Pipeline(resolved(deep_merge(cfg or MINIMAL, overrides)), repo=pipeline.SCHEMA_PATH.parents[2])
+
+
+SAMPLE = {"model": "smollm2", "variant": "even_w64", "stage": "transfer_lora", "device": "cuda:1-h100",
+          "fmt": "cloze", "shots": "5", "kind": "perplexity", "job": "transfer/smollm2/even_w64",
+          "key": "0123456789ab"}
+
+
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_every_path_parses_back_to_its_name_and_wildcards(name):
+    wildcards = {k: SAMPLE[k] for k in re.findall(r"\{(\w+)\}", PATHS[name])}
+    file = path(name, **wildcards)
+    assert "{" not in file
+    got_name, got = parse_result_path(file)
+    if got_name != name:  # a less specific template may not claim a file of another
+        pytest.fail(f"{file} parsed as {got_name}, not {name}")
+    assert got == wildcards
+    assert parse_result_path("/abs/workdir/" + file) == (name, wildcards)
+
+
+def test_parse_result_path_rejects_other_files():
+    for bad in ("results/x.txt", "notresults/m/v/transfer/metrics.jsonx", "results/m/v/quality/gpu0/perplexity.csv"):
+        with pytest.raises(ValueError, match="not a workflow artifact"):
+            parse_result_path(bad)
+
+
+def test_path_leaves_missing_wildcards_for_snakemake():
+    assert path("adapter", variant="base_lora") == "results/{model}/base_lora/lora/adapter_model.safetensors"
+
+
+def test_deep_merge_and_canonical():
+    base = {"a": 1, "b": {"x": 1, "y": [1, 2]}}
+    merged = deep_merge(base, {"b": {"y": [3]}, "c": 2})
+    assert merged == {"a": 1, "b": {"x": 1, "y": [3]}, "c": 2} and base["b"]["y"] == [1, 2]
+    assert list(canonical({"b": 1, "a": {"d": 1, "c": 2}})) == ["a", "b"]
+    assert json.dumps(canonical({"z": {"b": 1, "a": 2}})) == '{"z": {"a": 2, "b": 1}}'
+
+
+def test_library_defaults_are_the_schema_defaults():
+    from hybrid_llama.layers import HybridConfig
+    from hybrid_llama.train.common import RUN_DEFAULTS
+    from hybrid_llama.train.finetune import FINETUNE_DEFAULTS
+    from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
+
+    assert {k: v for k, v in TRANSFER_DEFAULTS.items() if k not in RUN_DEFAULTS and k != "eval_path"} \
+        == schema_defaults("transfer")
+    assert {k: v for k, v in FINETUNE_DEFAULTS.items() if k not in RUN_DEFAULTS} == schema_defaults("lora")
+    fields = {f.name: f.default for f in dataclasses.fields(HybridConfig) if f.name != "layers"}
+    assert fields == pipeline.hybrid_defaults()
+
+
+def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny_model_dir, shared_data_dir,
+                                                                              tmp_path):
+    """An empty transfer/lora section: the params the workflow hands its rules, the library's
+    defaults and what the CLI runs with (its metrics.json records the resolved settings) agree."""
+    from hybrid_llama.data import prepare_transfer_corpus
+    from hybrid_llama.train.common import RUN_DEFAULTS
+    from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
+
+    wf = make()
+    recipe_keys = set(schema_defaults("transfer"))
+    workflow_recipe = {k: v for k, v in wf.transfer("v").items() if k in recipe_keys}
+    library_recipe = canonical({k: TRANSFER_DEFAULTS[k] for k in recipe_keys})
+    assert workflow_recipe == library_recipe
+
+    corpus = tmp_path / "corpus.safetensors"
+    prepare_transfer_corpus({"kind": "local", "path": str(shared_data_dir / "fineweb-edu" /
+                                                      "fineweb-edu-sample-10BT.150docs.text.jsonl")},
+                            str(tiny_model_dir), corpus, seq_len=32, num_tokens=32 * 8)
+    out = tmp_path / "cli"
+    run = subprocess.run(
+        [sys.executable, "-m", "hybrid_llama.train.transfer", "--model-dir", str(tiny_model_dir),
+         "--packed", str(corpus), "--layers", "0", "--out", str(out),
+         "--train", json.dumps({"progress": False, "checkpoint_every": 0})],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    cli_recipe = {k: v for k, v in metrics["train"].items() if k in recipe_keys and k != "checkpoint_every"}
+    assert canonical(cli_recipe) == {k: v for k, v in workflow_recipe.items() if k != "checkpoint_every"}
+    assert metrics["hybrid"] == {"layers": [0], **wf.hybrid("v"), "layers": [0]}  # CLI flags' defaults
+    assert set(metrics["train"]) == set(TRANSFER_DEFAULTS) and set(RUN_DEFAULTS) <= set(metrics["train"])
+
+
+def test_lora_control_overrides_only_target():
+    wf = make()
+    assert wf.lora("base_lora") == canonical({**schema_defaults("lora"), "target": "all"})
+    assert wf.lora("v") == canonical(schema_defaults("lora"))
+
+
+def test_variant_overrides_merge_into_the_sections():
+    cfg = deep_merge(MINIMAL, {})
+    cfg["variants"][0]["transfer"] = {"lr": 0.01}
+    wf = make(cfg)
+    assert wf.transfer("v")["lr"] == 0.01 and wf.transfer("v")["batch_size"] == schema_defaults("transfer")["batch_size"]
+
+
+@pytest.mark.parametrize("mutate,key,needle", [
+    (lambda c: c["variants"][0]["hybrid"].update(layers=[0, 4]), "variants[v].hybrid.layers", "layer index 4"),
+    (lambda c: c["variants"].append(dict(c["variants"][0])), "variants[1].name", "duplicate name"),
+    (lambda c: c.update(base_lora={"layers": [9]}), "base_lora.layers", "4 layers"),
+    (lambda c: c["data"]["transfer"].update(source="local", local="nowhere/x.jsonl"), "data.transfer.local",
+     "does not exist"),
+    (lambda c: c["mmlu"].update(subjects=["astrology"]), "mmlu.subjects", "unknown subjects"),
+    (lambda c: c["data"]["transfer"].update(num_tokens=2048, seq_len=1024), "data.transfer.num_tokens",
+     "eval_sequences + 1"),
+])
+def test_semantic_checks_name_the_key(mutate, key, needle):
+    cfg = resolved(MINIMAL)
+    mutate(cfg)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+        Pipeline(cfg, repo=pipeline.SCHEMA_PATH.parents[2]).check()
+    assert err.value.key == key and f"'{key}'" in str(err.value)
+
+
+def test_report_inputs_are_artifacts_of_the_table():
+    wf = make()
+    inputs = wf.report_inputs()
+    files = [f for group in inputs.values() for f in group]
+    assert files and all(parse_result_path(f) for f in files)
+    assert {parse_result_path(f)[0] for f in inputs["mmlu"]} == {"mmlu"}
+    slots = {(w["variant"], w["stage"]) for _, w in map(parse_result_path, inputs["mmlu"])}
+    assert slots == {("base", "base"), ("base_lora", "base_lora"), ("v", "transfer"), ("v", "transfer_lora")}
+
+
+def test_stage_inputs():
+    wf = make()
+    assert wf.stage_inputs("m", "base", "base") == {"weights": path("weights", model="m")}
+    assert set(wf.stage_inputs("m", "v", "transfer_lora")) == {"weights", "layers", "adapter"}
+    assert wf.stage_inputs("m", "base_lora", "base_lora")["adapter"] == path("adapter", model="m", variant="base_lora")
+    with pytest.raises(ValueError, match="not evaluated under"):
+        wf.stage_inputs("m", "v", "base")

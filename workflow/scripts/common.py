@@ -1,0 +1,43 @@
+"""The shared start of every workflow script (Snakemake puts workflow/scripts on sys.path):
+send output to the rule's log file, cap torch's threads at the job's `threads`, and hand the
+library the files and labels of the stage a job evaluates."""
+
+import logging
+import sys
+from pathlib import Path
+
+
+def start(snakemake, *, torch_threads: bool = True):
+    """Redirect stdout, stderr and logging to snakemake.log[0]; return the log file."""
+    log = open(snakemake.log[0], "w", buffering=1)
+    sys.stdout = sys.stderr = log
+    logging.basicConfig(stream=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    logging.info("rule %s, wildcards %s", snakemake.rule, dict(snakemake.wildcards))
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(max(1, int(snakemake.threads)))
+    return log
+
+
+def model_dir(snakemake) -> Path:
+    """The resolved weights directory (every rule's `weights` input is its config.json)."""
+    return Path(snakemake.input.weights).parent
+
+
+def stage_model(snakemake, *, device: str, dtype=None):
+    """(model, tokenizer, meta, torch device) of the stage named by the job's wildcards."""
+    from hybrid_llama.stages import load_stage_for_eval
+
+    w = snakemake.wildcards
+    return load_stage_for_eval(
+        model_dir(snakemake),
+        w.stage,
+        hybrid=snakemake.params.hybrid,
+        hybrid_layers=getattr(snakemake.input, "layers", None),
+        adapter=getattr(snakemake.input, "adapter", None),
+        device=device,
+        dtype=dtype,
+        # the requested device (wildcard or config, label included); results also record the real one
+        labels={"model": w.model, "variant": w.variant, "device": getattr(w, "device", None)},
+    )
