@@ -17,9 +17,11 @@ from torch import Tensor
 from .reference import FORMULATIONS
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-# Feature widths of maps computed outside the kernels: powers of two (tl.arange) >= 16 (tl.dot);
-# 256 is Hedgehog's 2 * D at D = 128.
+# Feature widths of maps computed outside the kernels: powers of two (tl.arange) >= 16 (tl.dot),
+# with an [F, D] state no larger than elu1's at D = 128. Offline sm_90 compiles: F = 256 at D = 128
+# (Hedgehog's 2 * D) needs 272 KiB of shared memory in the backward, over the H100's 227 KiB.
 SUPPORTED_FEATURE_DIMS = (16, 32, 64, 128, 256)
+MAX_STATE_ELEMENTS = 128 * 128
 
 
 @triton.jit
@@ -34,10 +36,14 @@ def dphi(x):
     return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
 
 
-def check_feature_dim(f: int) -> None:
-    """Width of features computed outside the kernels; others make the dispatcher fall back."""
-    if f not in SUPPORTED_FEATURE_DIMS:
-        raise NotImplementedError(f"triton backend supports feature widths in {SUPPORTED_FEATURE_DIMS}, got {f}")
+def check_feature_dim(f: int, d: int) -> None:
+    """Width F of features computed outside the kernels, for head dim d; others make the dispatcher
+    fall back to the torch backends."""
+    if f not in SUPPORTED_FEATURE_DIMS or f * d > MAX_STATE_ELEMENTS:
+        raise NotImplementedError(
+            f"triton backend supports feature widths in {SUPPORTED_FEATURE_DIMS} with F * D <= "
+            f"{MAX_STATE_ELEMENTS}, got F = {f}, D = {d}"
+        )
 
 
 def formulation_flags(formulation: str) -> tuple[bool, bool]:

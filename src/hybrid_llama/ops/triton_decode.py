@@ -179,7 +179,7 @@ def hybrid_attention_step_triton(
     if not features and F != D:
         raise NotImplementedError("triton decode supports elu1 states with F = D only")
     if features:
-        check_feature_dim(F)
+        check_feature_dim(F, D)
     slot = state.seen % w
     evict = state.seen >= w
     # Features in torch, as the torch step computes them: phi(q) for the readout, phi(k) of the key

@@ -533,6 +533,14 @@ def _launch(block: int, d: int) -> dict:
     return dict(num_warps=8 if block * d >= 64 * 64 else 4, num_stages=2 if d >= 128 else 3)
 
 
+def default_block(d: int, f: int) -> int:
+    """Block for head dim d and feature width f (f = d for elu1); not timed on a GPU yet. Offline
+    sm_90 compiles at D = 64, F = 128 (Hedgehog): BLOCK 32 spills 44-96 B in the forward and
+    470-1140 B in the backward, BLOCK 64 0-80 B and 850-1530 B; the backward dominates training,
+    where learned maps are used, so wider features get BLOCK 32, as D = 128 does."""
+    return DEFAULT_BLOCK if max(d, f) <= 64 else 32
+
+
 def _kv_states(k: Tensor, v: Tensor, phi_k: Tensor | None, km: Tensor, has_mask: bool, block: int,
                prec: str) -> tuple[Tensor, Tensor]:
     """Exclusive prefix states over chunks: S[bh, c] = sum over keys < c*block, [B*Hkv, NC+1, F, D];
@@ -676,7 +684,7 @@ def _features(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMap) -> tuple
             f"feature maps must give phi(q) [B, H, T, F] and phi(k) [B, H_kv, T, F] of one width F; got "
             f"{tuple(phi_q.shape)} and {tuple(phi_k.shape)}"
         )
-    check_feature_dim(F)
+    check_feature_dim(F, q.shape[-1])
     if not (phi_q.is_floating_point() and phi_k.is_floating_point()):
         raise ValueError(f"features must be floating point, got {phi_q.dtype}, {phi_k.dtype}")
     return k, v, phi_q, phi_k
@@ -725,7 +733,7 @@ def hybrid_attention_triton(
     if linear and not is_elu1(feature_map) and T > 0:
         k, v, phi_q, phi_k = _features(q, k, v, feature_map)
     F = phi_q.shape[-1] if phi_q is not None else D
-    block = block_size or (DEFAULT_BLOCK if max(D, F) <= 64 else 32)
+    block = block_size or default_block(D, F)
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block}")
     if T == 0:
