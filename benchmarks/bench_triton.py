@@ -3,28 +3,39 @@
     python benchmarks/bench_triton.py                       # T = 2^10 .. 2^15, fwd and fwd+bwd, decode
     python benchmarks/bench_triton.py --tmax 13 --json results/bench_triton.json
     python benchmarks/bench_triton.py --no-decode --impls triton,sdpa
+    python benchmarks/bench_triton.py --impls triton,triton_hedgehog,chunked_hedgehog --tmax 13
+    python benchmarks/bench_triton.py --impls triton_hedgehog --no-decode --block 64   # try a block size
 
 Prefill: B=1, H=32 query heads over 8 KV heads, D=64, bf16, window 64. Implementations:
 - ``triton``: ``hybrid_attention_triton`` (reads the 8 KV heads directly);
 - ``chunked``: the pure-PyTorch backend (k/v expanded to 32 heads, as its contract requires);
 - ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` (FlashAttention backend on H100);
 - ``seed_naive``: the published recreation's unfold/cumsum style, skipped where its O(T*D^2)
-  tensors would not fit in free memory.
+  tensors would not fit in free memory;
+- ``triton_hedgehog``: the triton backend with learned Hedgehog maps as a (query_map, key_map) pair
+  (query map at 32 heads, key map at the 8 KV heads, F = 2 * D = 128): the maps run in torch, the
+  kernels read their features; the time includes the maps (and, fwd+bwd, their parameter gradients);
+- ``chunked_hedgehog`` (not in the default list): the same maps on the chunked backend.
 Reported per case: median ms (``triton.testing.do_bench``), achieved GB/s and TFLOP/s from the
 models below, and the fraction of the memory roofline: (minimal bytes / peak bandwidth) / time.
 Minimal bytes = read q, k, v and write o (fwd); plus read q, k, v, o, dO and write dq, dk, dv (bwd),
 with k/v at their stored head count (8 for triton, 32 for the others). Useful FLOPs of the hybrid
-op = per query head and token 4*w*D (window) + 2*D*D (linear readout), plus 2*D*D per KV head and
-token (state); SDPA causal = 2*T^2*D per head; backward counted as 2.5x forward.
+op = per query head and token 4*w*D (window) + 2*F*D (linear readout), plus 2*F*D per KV head and
+token (state), F = D for elu1; Hedgehog adds its projections, 2*D*(F/2) per head and token for the
+query and the key map; SDPA causal = 2*T^2*D per head; backward counted as 2.5x forward. The
+Hedgehog rows keep the elu1 byte model (q, k, v, o), so their roofline fraction is against the
+same target.
 Peak bandwidth is looked up from the device name (H100 SXM 3.35 TB/s, H100 PCIe 2.0 TB/s,
 H200 4.8 TB/s); an unknown device gets no roofline column and a flag in the output.
 
 Decode: batch 64 (and 1), context 1K and 32K: the triton step (in place, as a generation loop
 would run it, and functional) vs a softmax layer with a KV cache (append to a preallocated cache +
-SDPA of one query over the context, GQA). Tokens/s = batch / step time.
+SDPA of one query over the context, GQA), and the triton step with the Hedgehog pair (F = 128;
+its maps applied in torch to the new query and the evicted key). Tokens/s = batch / step time.
 
 It needs CUDA; on a machine without it, it exits with a message and status 2. The one exception is
-``--compile-only``: it compiles the bf16 kernels (D = 64 and 128) for sm_90 with triton's bundled
+``--compile-only``: it compiles the bf16 kernels (elu1 at D = 64 and 128, and the feature-reading
+variants at D = 64, F = 128; ``--features-only`` for those alone) for sm_90 with triton's bundled
 ptxas, no GPU needed, and prints their shared memory and register spills (a check that the kernels
 build for an H100, not a measurement of speed). No numbers here are
 made up: docs/triton.md records what a run printed, with the device name.
@@ -60,7 +71,10 @@ def prefill_flops(impl: str, T: int, H: int, HKV: int, D: int, w: int, backward:
     if impl == "sdpa":
         f = 2.0 * T * T * D * H  # causal: half of 4 T^2 D
     else:
-        f = H * T * (4.0 * w * D + 2.0 * D * D) + HKV * T * 2.0 * D * D
+        F = 2 * D if impl.endswith("_hedgehog") else D
+        f = H * T * (4.0 * w * D + 2.0 * F * D) + HKV * T * 2.0 * F * D
+        if impl.endswith("_hedgehog"):
+            f += (H + HKV) * T * 2.0 * D * (F // 2)  # the maps' projections
     return f * (3.5 if backward else 1.0)
 
 
@@ -86,7 +100,8 @@ def compile_only(arch: int = 90) -> int:
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     f32 = "*fp32"
-    io = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "kw_ptr", "vw_ptr", "kw_new", "vw_new"}
+    io = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "kw_ptr", "vw_ptr", "kw_new", "vw_new",
+          "fq_ptr", "fk_ptr", "dfq_ptr", "dfk_ptr"}
     special = {"km_ptr": "*i8", "valid_ptr": "*i8", "ev_ptr": "*i8", "idx_ptr": "*i32", "sm_scale": "fp32"}
 
     def build(fn, consts: dict, warps: int, stages: int) -> None:
@@ -113,16 +128,24 @@ def compile_only(arch: int = 90) -> int:
         print(f"{fn.__name__:17s} {consts}: warps={warps} stages={stages} shared={k.metadata.shared} B "
               f"registers={regs[0] if regs else '?'} spill_stores={spill[0] if spill else '?'} B", flush=True)
 
-    for D in (64, 128):
-        block = 64 if D <= 64 else 32
-        launch = pre._launch(block, D)
+    # (D, F, features): elu1 at D = 64 and 128, Hedgehog's F = 2 * D read as features at D = 64 (and
+    # with --features-only, only those).
+    variants = [(64, 64, False), (128, 128, False), (64, 128, True)]
+    if "--features-only" in sys.argv[1:]:
+        variants = [x for x in variants if x[2]]
+    for D, F, feats in variants:
+        block = pre.default_block(D, F)
+        launch = pre._launch(block, max(D, F))
         for lol in (False, True):
-            c = dict(BLOCK=block, D=D, HAS_MASK=lol, LOLCATS=lol, PREC="tf32")
+            c = dict(BLOCK=block, D=D, F=F, HAS_MASK=lol, LOLCATS=lol, FEATURES=feats, LINEAR=True, PREC="tf32")
             for fn in (pre._fwd_kernel, pre._bwd_q_kernel, pre._bwd_kv_kernel):
                 build(fn, c, launch["num_warps"], launch["num_stages"])
-        build(pre._kv_state_kernel, dict(BLOCK=block, D=D, HAS_MASK=True, PREC="tf32"), launch["num_warps"], launch["num_stages"])
-        build(pre._q_state_kernel, dict(BLOCK=block, D=D, PREC="tf32"), launch["num_warps"], launch["num_stages"])
-        build(dec._step_kernel, dict(W=64, WP=64, D=D, EVICT=True, INPLACE=False, LOLCATS=False), 8, 3)
+        c = dict(BLOCK=block, D=D, F=F, HAS_MASK=True, FEATURES=feats, PREC="tf32")
+        build(pre._kv_state_kernel, c, launch["num_warps"], launch["num_stages"])
+        c = dict(BLOCK=block, D=D, F=F, FEATURES=feats, PREC="tf32")
+        build(pre._q_state_kernel, c, launch["num_warps"], launch["num_stages"])
+        c = dict(W=64, WP=64, D=D, F=F, EVICT=True, INPLACE=False, LOLCATS=False, FEATURES=feats, LINEAR=True)
+        build(dec._step_kernel, c, 8, 3)
     return 0
 
 
@@ -136,12 +159,15 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--impls", default="triton,chunked,sdpa,seed_naive")
+    ap.add_argument("--block", type=int, default=None, help="block_size of the triton prefill (default: the op's)")
+    ap.add_argument("--impls", default="triton,triton_hedgehog,chunked,sdpa,seed_naive",
+                    help="of triton, triton_hedgehog, chunked, chunked_hedgehog, sdpa, seed_naive")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--json", default=None, help="also write all rows to this JSON file")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 offline (no GPU needed)")
+    ap.add_argument("--features-only", action="store_true", help="with --compile-only: only the Hedgehog-feature kernels")
     args = ap.parse_args()
 
     import torch
@@ -154,6 +180,7 @@ def main() -> int:
     import torch.nn.functional as F
     import triton
 
+    from hybrid_llama.ops import HedgehogFeatureMap
     from hybrid_llama.ops.chunked import hybrid_attention_chunked
     from hybrid_llama.ops.decode import HybridState
     from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
@@ -174,6 +201,9 @@ def main() -> int:
     rep = H // HKV
     impls = args.impls.split(",")
     rows: list[dict] = []
+    # Hedgehog (query_map, key_map) pair as the model builds it: queries at H heads, keys at the KV heads.
+    pair = (HedgehogFeatureMap(H, D).to(dev), HedgehogFeatureMap(HKV, D).to(dev))
+    pair_params = [p for m in pair for p in m.parameters()]
 
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100)
@@ -196,9 +226,16 @@ def main() -> int:
         wl = torch.zeros(H, device=dev)
         ll = torch.zeros(H, device=dev)
         for impl in impls:
-            kv_heads = HKV if impl in ("triton", "sdpa") else H
+            kv_heads = HKV if impl in ("triton", "sdpa", "triton_hedgehog", "chunked_hedgehog") else H
             if impl == "triton":
-                fn = lambda q, k, v, wl, ll: hybrid_attention_triton(q, k, v, wl, ll, window=w)  # noqa: E731
+                fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
+                    q, k, v, wl, ll, window=w, block_size=args.block)
+            elif impl == "triton_hedgehog":
+                fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
+                    q, k, v, wl, ll, window=w, feature_map=pair, block_size=args.block)
+            elif impl == "chunked_hedgehog":  # GQA k/v in place: the key map runs at the KV heads
+                fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
+                    q, k, v, wl, ll, window=w, feature_map=pair)
             elif impl == "chunked":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
                     q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w)
@@ -220,9 +257,13 @@ def main() -> int:
                         qg, kg, vg, wg, lg = (x.detach().requires_grad_() for x in (q, k, v, wl, ll))
                         do = torch.randn_like(q)
 
+                        wrt = (qg, kg, vg, wg, lg) if impl != "sdpa" else (qg, kg, vg)
+                        if impl.endswith("_hedgehog"):
+                            wrt = wrt + tuple(pair_params)  # training updates the maps too
+
                         def step():
                             out = fn(qg, kg, vg, wg, lg)
-                            torch.autograd.grad(out, (qg, kg, vg, wg, lg) if impl != "sdpa" else (qg, kg, vg), do)
+                            torch.autograd.grad(out, wrt, do)
                     else:
                         def step():
                             with torch.no_grad():
@@ -267,6 +308,17 @@ def main() -> int:
                     ms = bench(lambda: hybrid_attention_step_triton(q1, k1, v1, state, wl, ll, inplace=inplace))
                     rows.append(dict(kind="decode", impl=f"triton-{mode}", batch=Bd, context=ctx, ms=ms, tok_s=Bd / (ms * 1e-3)))
                     print(f"| triton step ({mode}) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |")
+                if "triton_hedgehog" in impls:
+                    # Hedgehog pair: state [F = 2D, D]; the maps run in torch on the query and the evicted key.
+                    state_hh = HybridState(state.k_window.clone(), state.v_window.clone(), state.window_valid.clone(),
+                                           torch.rand(Bd, HKV, 2 * D, D, device=dev, generator=g) * ctx,
+                                           torch.rand(Bd, HKV, 2 * D, device=dev, generator=g) * ctx, ctx)
+                    with torch.no_grad():  # the maps' parameters require grad; the step is inference-only
+                        ms = bench(lambda: hybrid_attention_step_triton(q1, k1, v1, state_hh, wl, ll, feature_map=pair,
+                                                                        inplace=True))
+                    rows.append(dict(kind="decode", impl="triton-hedgehog-inplace", batch=Bd, context=ctx, ms=ms,
+                                     tok_s=Bd / (ms * 1e-3)))
+                    print(f"| triton step, Hedgehog pair (inplace) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |")
                 try:
                     kc = torch.randn(Bd, HKV, ctx + 1, D, device=dev, dtype=dt, generator=g)
                     vc = torch.randn(Bd, HKV, ctx + 1, D, device=dev, dtype=dt, generator=g)

@@ -23,7 +23,14 @@ if not HAS_CUDA:
 
 triton = pytest.importorskip("triton")
 
-from hybrid_llama.ops import hybrid_attention, hybrid_attention_step, init_state, prefill_state  # noqa: E402
+from hybrid_llama.ops import (  # noqa: E402
+    HedgehogFeatureMap,
+    hybrid_attention,
+    hybrid_attention_step,
+    init_state,
+    prefill_state,
+)
+from hybrid_llama.ops import triton_prefill  # noqa: E402
 from hybrid_llama.ops.decode import hybrid_attention_step_torch  # noqa: E402
 from hybrid_llama.ops.triton_decode import hybrid_attention_step_triton  # noqa: E402
 from hybrid_llama.ops.triton_prefill import _fwd_kernel, hybrid_attention_triton  # noqa: E402
@@ -69,6 +76,8 @@ def naive_hybrid(q, k, v, window_logit, linear_logit, window, formulation="hybri
     a = torch.sigmoid(window_logit.double())[None, :, None, None]
     b = torch.sigmoid(linear_logit.double())[None, :, None, None]
     present = e_sum > 0
+    if formulation == "window":  # the softmax window alone; zeros without a real key
+        return torch.where(present, e @ v / torch.where(present, e_sum, torch.ones_like(e_sum)), torch.zeros_like(q))
     if formulation == "hybrid":
         num = a * (e @ v) / torch.where(present, e_sum, torch.ones_like(e_sum)) + b * (A @ v)
         den = a * present + b * A.sum(-1, keepdim=True)
@@ -102,7 +111,8 @@ def check_op(T, D, window, *, H=4, HKV=2, B=1, dtype=torch.float32, formulation=
     ref = naive_hybrid(q, k, v, wl, ll, window, formulation, mask)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
     grads = torch.autograd.grad(out, (q, k, v, wl, ll), dout.to(dtype))
-    ref_grads = torch.autograd.grad(ref, (q, k, v, wl, ll), dout.double())
+    # (materialize: the window formulation does not use the logits, their gradients are zero)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, wl, ll), dout.double(), allow_unused=True, materialize_grads=True)
     atol, rtol = tol or ((2e-5, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2))
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
     for name, got, want in zip(("dq", "dk", "dv", "dwindow_logit", "dlinear_logit"), grads, ref_grads):
@@ -130,6 +140,7 @@ FP32_CASES = [
     (7, 16, 64, None, "lolcats", None),
     (40, 128, 16, None, "hybrid", None),  # D = 128 (default block 32)
     (33, 32, 8, None, "lolcats", None),
+    (130, 16, 20, 16, "window", 0.3),  # window only: the linear part compiled out
 ]
 
 
@@ -163,17 +174,136 @@ def test_matches_reference_backend_through_dispatcher():
 
 def test_unsupported_options_raise_not_implemented():
     q, k, v, wl, ll = make_inputs(1, 2, 2, 8, 16, torch.float32)
-    with pytest.raises(NotImplementedError):
-        hybrid_attention_triton(q, k, v, wl, ll, window=4, feature_map=lambda x: x.exp())
+    with pytest.raises(NotImplementedError):  # feature width 24: not a power of two
+        hybrid_attention_triton(q, k, v, wl, ll, window=4, feature_map=lambda x: torch.cat([x, x[..., :8]], -1).exp())
     q24, k24, v24, _, _ = make_inputs(1, 2, 2, 8, 24, torch.float32)
     with pytest.raises(NotImplementedError):
         hybrid_attention_triton(q24, k24, v24, wl, ll, window=4)
+    # Hedgehog at D = 128 (F = 256): its [F, D] state does not fit the backward's shared memory.
+    q128, k128, v128, _, _ = make_inputs(1, 2, 2, 8, 128, torch.float32)
+    with pytest.raises(NotImplementedError):
+        hybrid_attention_triton(q128, k128, v128, wl, ll, window=4, feature_map=make_feature_map("pair", 2, 2, 128, None))
+
+
+# ------------------------------------------------------------- learned feature maps, window-only
+
+
+def make_hedgehog(heads, head_dim, feature_dim=None, seed=0):
+    """A HedgehogFeatureMap moved away from its identity start, so the test sees its parameters act."""
+    fmap = HedgehogFeatureMap(heads, head_dim, feature_dim)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        fmap.weight.add_(torch.randn(fmap.weight.shape, generator=g) * 0.5)
+        fmap.bias.add_(torch.randn(fmap.bias.shape, generator=g) * 0.5)
+    return fmap.to(DEV)
+
+
+def make_feature_map(kind, H, HKV, D, feature_dim, seed=0):
+    """("pair": query map at H heads, key map at H_kv heads; "single": one map of H heads; "elu1")."""
+    if kind == "pair":
+        return make_hedgehog(H, D, feature_dim, seed), make_hedgehog(HKV, D, feature_dim, seed + 1)
+    if kind == "single":
+        return make_hedgehog(H, D, feature_dim, seed)
+    return "elu1"
+
+
+def map_params(fmap):
+    maps = fmap if isinstance(fmap, tuple) else (fmap,) if isinstance(fmap, torch.nn.Module) else ()
+    return [p for m in maps for p in m.parameters()]
+
+
+def check_features_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, formulation="hybrid", mask_p=None,
+                      block=None, seed=0):
+    """Triton (maps applied in torch, features read by the kernels) vs the `reference` backend with the
+    same maps: output and the gradients of q, k, v, both logits and every parameter of the maps, fp32."""
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed, logit_scale=2.0)
+    fmap = make_feature_map(kind, H, HKV, D, feature_dim, seed)
+    mask = None
+    if mask_p is not None:
+        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
+        mask[0, : min(T, 3)] = False
+        mask = mask.to(DEV)
+    kw = dict(window=window, formulation=formulation, feature_map=fmap, key_padding_mask=mask)
+    out = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)
+    ref = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    inputs = (q, k, v, wl, ll, *map_params(fmap))
+    names = ("dq", "dk", "dv", "dwindow_logit", "dlinear_logit") + tuple(f"dmap{i}" for i in range(len(inputs) - 5))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
+    # The window formulation leaves the logits and the maps out of the graph: their gradients are zero.
+    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(names, grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        # Logit and map-parameter gradients sum over positions: compare relative to their scale.
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m: f"{name}: {m}")
+    if formulation == "window":
+        assert all(not g.any() for g in grads[3:])
+    return out
+
+
+# (map, T, D, feature_dim -> F = 2 * feature_dim, window, block, formulation, padding probability); H = 4 over 2 KV heads.
+FEATURE_CASES = [
+    ("pair", 100, 16, 16, 16, 32, "hybrid", 0.3),  # F = 32 != D = 16, keys mapped at the KV heads
+    ("pair", 90, 16, 16, 20, 16, "lolcats", 0.3),  # window not a multiple of the block
+    ("pair", 70, 16, 16, 16, 32, "window", 0.3),
+    ("pair", 70, 32, 8, 16, 32, "hybrid", None),  # F = 16 < D = 32
+    ("single", 70, 16, 16, 16, 32, "hybrid", 0.3),  # one per-head map: k/v expanded to the 4 heads
+    ("elu1", 70, 16, None, 16, 32, "window", 0.3),  # window-only on the elu1 kernels
+]
+
+
+@pytest.mark.parametrize("kind,T,D,feature_dim,window,block,formulation,mask_p", FEATURE_CASES)
+def test_prefill_feature_maps_vs_reference(kind, T, D, feature_dim, window, block, formulation, mask_p):
+    check_features_op(T, D, window, kind, feature_dim=feature_dim, block=block, formulation=formulation, mask_p=mask_p)
+
+
+def test_dispatcher_runs_feature_kernels(monkeypatch):
+    """``hybrid_attention(backend="triton")`` with a (query_map, key_map) pair runs the kernels on the
+    features (never chunked) and gets the reference's output and map gradients; the decode dispatcher
+    runs the triton step with the pair."""
+    import hybrid_llama.ops.chunked as chunked
+
+    def no_chunked(*args, **kwargs):
+        raise AssertionError("fell back to chunked")
+
+    calls = []
+    apply = triton_prefill._HybridAttentionTriton.apply
+
+    def spy(*args):
+        calls.append(args[5] is not None and args[6] is not None)  # phi_q, phi_k handed to the kernels
+        return apply(*args)
+
+    monkeypatch.setattr(chunked, "hybrid_attention_chunked", no_chunked)
+    monkeypatch.setattr(triton_prefill._HybridAttentionTriton, "apply", spy)
+    q, k, v, wl, ll = make_inputs(1, 4, 2, 40, 16, torch.float32, seed=21)
+    pair = make_feature_map("pair", 4, 2, 16, None, seed=21)
+    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton", feature_map=pair)
+    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference", feature_map=pair)
+    assert calls == [True]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    params = map_params(pair)
+    g = torch.autograd.grad(out.square().sum(), params)
+    rg = torch.autograd.grad(ref.square().sum(), params)
+    for got, want in zip(g, rg):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    import hybrid_llama.ops as ops
+
+    monkeypatch.setattr(ops, "hybrid_attention_step_torch", no_chunked)
+    with torch.no_grad():
+        st = prefill_state(k[:, :, :39], v[:, :, :39], window=16, feature_map=pair)
+        o, new = hybrid_attention_step(q[:, :, 39:], k[:, :, 39:], v[:, :, 39:], st, wl, ll, feature_map=pair,
+                                       backend="triton")
+    torch.testing.assert_close(o, ref[:, :, 39:].detach(), atol=2e-5, rtol=1e-4)
+    assert new.S.shape == (1, 2, 32, 16) and new.seen == 40
 
 
 # ---------------------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("formulation,window,pad", [("hybrid", 8, False), ("lolcats", 6, True)])
+@pytest.mark.parametrize("formulation,window,pad", [("hybrid", 8, False), ("lolcats", 6, True), ("window", 5, True)])
 def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad):
     B, H, HKV, T, D = 2, 4, 2, 21, 16
     q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.float32, seed=5))
@@ -207,6 +337,41 @@ def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad)
     torch.testing.assert_close(par, naive, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+def test_decode_steps_with_feature_pair_match_torch_step(formulation):
+    """A Hedgehog (query_map, key_map) pair (F = 32, D = 16, GQA 4 over 2): the triton step (phi(q)
+    and the evicted phi(k) computed in torch, read by the kernel) equals the torch step in outputs
+    and states, including evictions of padded slots; prefill_state and the parallel op agree."""
+    B, H, HKV, T, D, w = 2, 4, 2, 15, 16, 4
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.float32, seed=9, logit_scale=2.0))
+    pair = make_feature_map("pair", H, HKV, D, None, seed=9)
+    valid = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    valid[1, :3] = False  # left padding of row 1: evicted at steps 4..6
+    valid[0, 5] = False  # a padded slot inside row 0, evicted at step 9
+    F = 2 * D
+    st = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    st_torch = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    outs = []
+    with torch.no_grad():
+        for t in range(T):
+            sl = slice(t, t + 1)
+            kw = dict(feature_map=pair, formulation=formulation, key_valid=valid[:, t])
+            o, st = hybrid_attention_step_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw)
+            o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
+            torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st.z, st_torch.z, atol=1e-5, rtol=1e-5)
+            outs.append(o)
+        assert st.seen == T and st.S.shape == (B, HKV, F, D)
+        assert torch.equal(st.window_valid, st_torch.window_valid) and torch.equal(st.k_window, st_torch.k_window)
+        pre = prefill_state(k, v, window=w, feature_map=pair, key_padding_mask=valid)
+        torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.z, pre.z, atol=1e-5, rtol=1e-5)
+        par = hybrid_attention_triton(q, k, v, wl, ll, window=w, formulation=formulation, feature_map=pair,
+                                      key_padding_mask=valid)
+    torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_is_functional_by_default():
     B, H, D, w = 1, 2, 16, 4
     q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, H, 6, D, torch.float32, seed=7))
@@ -233,21 +398,26 @@ def test_decode_step_with_grad_falls_back_to_torch():
 # ------------------------------------------------------------------------- model level (GQA layer)
 
 
-def test_hybrid_llama_on_triton_matches_chunked(tiny_model_dir):
+@pytest.mark.parametrize("feature_map", ["elu1", "hedgehog"])
+def test_hybrid_llama_on_triton_matches_chunked(tiny_model_dir, feature_map):
     """The hybrid layer hands the kernels k/v at the KV heads (tiny Llama: 4 query, 2 KV heads) and
-    keeps its decode state per KV head: logits, parameter gradients and cached greedy generation
-    match the same model on the torch backends (which get k/v repeated)."""
+    keeps its decode state per KV head: logits, parameter gradients (Hedgehog maps' included) and
+    cached greedy generation match the same model on the chunked backend. With Hedgehog the layer
+    passes a (query_map, key_map) pair: F = 32, D = 16."""
     from hybrid_llama.models import convert_to_hybrid
     from hybrid_llama.weights import load_model
 
     models = {}
     for backend in ("triton", "chunked"):
         model, tok = load_model(tiny_model_dir, dtype=torch.float32)
-        convert_to_hybrid(model, [0, 2], window=8, backend=backend)
-        with torch.no_grad():  # non-trivial mixing, the same for both
+        convert_to_hybrid(model, [0, 2], window=8, backend=backend, feature_map=feature_map)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # non-trivial mixing and maps, the same for both
             for i, layer in enumerate((model.model.layers[0], model.model.layers[2])):
                 layer.self_attn.mixing.window_logit.copy_(torch.linspace(-1.0, 1.0, 4) + i)
                 layer.self_attn.mixing.linear_logit.copy_(torch.linspace(0.5, -0.5, 4))
+                for p in layer.self_attn.feature_map.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
         models[backend] = model.to(DEV)
     attn = models["triton"].model.layers[0].self_attn
     assert attn.config.num_key_value_heads < attn.config.num_attention_heads  # the GQA path is exercised
@@ -260,6 +430,8 @@ def test_hybrid_llama_on_triton_matches_chunked(tiny_model_dir):
         grads[backend] = {n: p.grad for n, p in model.named_parameters() if "layers.0.self_attn" in n}
     torch.testing.assert_close(logits["triton"], logits["chunked"], atol=1e-4, rtol=1e-4)
     assert grads["triton"].keys() == grads["chunked"].keys() and len(grads["triton"]) >= 6
+    if feature_map == "hedgehog":
+        assert sum("feature_map" in n for n in grads["triton"]) == 4  # q and k maps: weight, bias
     for name, g in grads["triton"].items():
         torch.testing.assert_close(g, grads["chunked"][name], atol=1e-4, rtol=1e-3, msg=name)
     gen = {}
@@ -331,3 +503,60 @@ def test_gpu_decode_bf16_matches_torch_step():
     o_t, _ = hybrid_attention_step_torch(q[:, :, -1:], k[:, :, -1:].repeat_interleave(rep, 1),
                                          v[:, :, -1:].repeat_interleave(rep, 1), st_e, wl, ll)
     torch.testing.assert_close(o.float(), o_t.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+def test_gpu_bf16_hedgehog_pair_long_vs_chunked(formulation):
+    """The feature path at a Llama-3.2-1B layer's shape: Hedgehog pair, F = 128 = 2 * D, bf16 features."""
+    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+
+    B, H, HKV, T, D = 1, 32, 8, 4096, 64
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=14)
+    pair = make_feature_map("pair", H, HKV, D, None, seed=14)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, feature_map=pair)
+    with torch.no_grad():
+        ref = hybrid_attention_chunked(q.float(), k.float(), v.float(), wl, ll, window=64, formulation=formulation,
+                                       feature_map=pair)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    out.float().square().sum().backward()  # runs and is finite at full size
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))
+    if formulation != "window":
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in map_params(pair))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+def test_gpu_fp32_hedgehog_pair_grads_vs_chunked(formulation):
+    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+
+    B, H, HKV, T, D = 2, 8, 2, 1000, 64
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=15)
+    pair = make_feature_map("pair", H, HKV, D, None, seed=15)
+    mask = torch.rand(B, T, device=DEV) > 0.1
+    kw = dict(window=64, formulation=formulation, feature_map=pair, key_padding_mask=mask)
+    out = hybrid_attention_triton(q, k, v, wl, ll, **kw)
+    ref = hybrid_attention_chunked(q, k, v, wl, ll, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    inputs = (q, k, v, wl, ll, *map_params(pair))
+    dout = torch.randn_like(out)
+    g = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
+    rg = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
+    for got, want in zip(g, rg):
+        torch.testing.assert_close(got, want, atol=1e-3 * max(1.0, want.abs().max().item()), rtol=1e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_bf16_hedgehog_pair_matches_torch_step():
+    B, H, HKV, D, w, T = 4, 32, 8, 64, 64, 150
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=16))
+    pair = make_feature_map("pair", H, HKV, D, None, seed=16)
+    with torch.no_grad():
+        st = prefill_state(k[:, :, : T - 1], v[:, :, : T - 1], window=w, feature_map=pair)
+        o, new = hybrid_attention_step_triton(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, wl, ll, feature_map=pair)
+        o_t, new_t = hybrid_attention_step_torch(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, wl, ll, feature_map=pair)
+    torch.testing.assert_close(o.float(), o_t.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(new.S, new_t.S, atol=1e-3, rtol=1e-3)

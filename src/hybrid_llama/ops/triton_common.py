@@ -1,4 +1,9 @@
-"""Pieces shared by the triton prefill and decode kernels."""
+"""Pieces shared by the triton prefill and decode kernels.
+
+Feature maps: the kernels either compute elu1 themselves (``FEATURES=False``, F = D) or read
+features the caller computed in torch (``FEATURES=True``: phi(q) ``[B, H, T, F]``, phi(k)
+``[B, H_kv, T, F]``), which is how learned maps (Hedgehog) keep their parameters under autograd.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .feature_maps import is_elu1
 from .reference import FORMULATIONS
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+# Feature widths of maps computed outside the kernels: powers of two (tl.arange) >= 16 (tl.dot),
+# with an [F, D] state no larger than elu1's at D = 128. Offline sm_90 compiles: F = 256 at D = 128
+# (Hedgehog's 2 * D) needs 272 KiB of shared memory in the backward, over the H100's 227 KiB.
+SUPPORTED_FEATURE_DIMS = (16, 32, 64, 128, 256)
+MAX_STATE_ELEMENTS = 128 * 128
 
 
 @triton.jit
@@ -27,19 +36,22 @@ def dphi(x):
     return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
 
 
-def check_feature_map(feature_map) -> None:
-    """Only elu1 is fused; anything else makes the dispatcher fall back to the torch backends."""
-    if not is_elu1(feature_map):
-        raise NotImplementedError(f"triton backend supports feature_map='elu1' only, got {feature_map!r}")
+def check_feature_dim(f: int, d: int) -> None:
+    """Width F of features computed outside the kernels, for head dim d; others make the dispatcher
+    fall back to the torch backends."""
+    if f not in SUPPORTED_FEATURE_DIMS or f * d > MAX_STATE_ELEMENTS:
+        raise NotImplementedError(
+            f"triton backend supports feature widths in {SUPPORTED_FEATURE_DIMS} with F * D <= "
+            f"{MAX_STATE_ELEMENTS}, got F = {f}, D = {d}"
+        )
 
 
-def check_formulation(formulation: str) -> bool:
-    """Return True for lolcats."""
+def formulation_flags(formulation: str) -> tuple[bool, bool]:
+    """(lolcats, linear): lolcats selects the shared normaliser; linear is False for "window", which
+    the kernels run as the hybrid formulation with the linear part compiled out (weight b = 0)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
-    if formulation == "window":
-        raise NotImplementedError("triton backend: formulation='window' runs on the chunked backend")
-    return formulation == "lolcats"
+    return formulation == "lolcats", formulation != "window"
 
 
 def check_head_dim(d: int) -> None:

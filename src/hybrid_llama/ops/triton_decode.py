@@ -9,12 +9,21 @@ One program per (batch row, KV head):
 Traffic per KV head: the w x D ring buffer and the F x D state, read once and written once,
 independent of the context length. No tensor cores: everything is a vector-matrix product.
 
+Feature maps: elu1 is computed in the kernel (F = D). For any other map (one callable, or a
+(query_map, key_map) pair) the step computes in torch phi(q) of the new query ``[B, H, F]`` and
+phi(k) of the key leaving the window ``[B, H_kv, F]`` (the kernel multiplies it by the slot's
+validity, so a padded key adds nothing), and the kernel reads them (constexpr ``FEATURES``); the
+state is then ``S [B, H_kv, F, D]``, ``z [B, H_kv, F]``. ``formulation="window"`` skips the
+linear readout (constexpr ``LINEAR``) but still folds evicted keys into S, z, as the torch step
+does, so the states of both steps stay equal.
+
 Like ``decode.hybrid_attention_step_torch`` the step is functional by default: it returns a new
 ``HybridState`` and leaves the old one untouched (the kernel reads the old buffers and writes new
 ones). ``inplace=True`` updates the state's tensors in place instead (only the changed slot is
 written), for callers that own their state, e.g. a benchmark or a static-cache generation loop.
-The step is inference-only: with grad enabled and an input that requires grad it raises
-NotImplementedError, so ``hybrid_attention_step`` falls back to the differentiable torch step.
+The step is inference-only: with grad enabled and an input (or a feature map's output) that
+requires grad it raises NotImplementedError, so ``hybrid_attention_step`` falls back to the
+differentiable torch step.
 """
 
 from __future__ import annotations
@@ -27,11 +36,12 @@ import triton.language as tl
 from torch import Tensor
 
 from .decode import HybridState, check_step_shapes
+from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
 from .triton_common import (
     check_device,
-    check_feature_map,
-    check_formulation,
+    check_feature_dim,
     check_head_dim,
+    formulation_flags,
     last_dim_contiguous,
     phi,
 )
@@ -39,33 +49,37 @@ from .triton_common import (
 
 @triton.jit(do_not_specialize=["slot"])  # slot changes every token: one compiled variant
 def _step_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, fq_ptr, fk_ptr,
     kw_ptr, vw_ptr, s_ptr, z_ptr,  # old state
     kw_new, vw_new, s_new, z_new,  # new state (the same tensors when in place)
     valid_ptr, ev_ptr, a_ptr, b_ptr,
     sqb, sqh, skb, skh, svb, svh, sob, soh,
     H, HKV, slot, sm_scale,
-    W: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, EVICT: tl.constexpr, INPLACE: tl.constexpr,
-    LOLCATS: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, EVICT: tl.constexpr,
+    INPLACE: tl.constexpr, LOLCATS: tl.constexpr, FEATURES: tl.constexpr, LINEAR: tl.constexpr,
 ):
     bhk = tl.program_id(0).to(tl.int64)  # 64-bit offsets for large batches
     b = bhk // HKV
     hk = bhk % HKV
     d = tl.arange(0, D)
+    f = tl.arange(0, F)
     ws = tl.arange(0, WP)
     w_ok = ws < W
-    st_off = bhk * D * D + d[:, None] * D + d[None, :]
+    st_off = bhk * F * D + f[:, None] * D + d[None, :]
     S = tl.load(s_ptr + st_off)
-    z = tl.load(z_ptr + bhk * D + d)
+    z = tl.load(z_ptr + bhk * F + f)
     win_off = bhk * W * D + ws[:, None] * D + d[None, :]
     K = tl.load(kw_ptr + win_off, mask=w_ok[:, None], other=0.0)
     V = tl.load(vw_ptr + win_off, mask=w_ok[:, None], other=0.0)
     if EVICT:
         # The slot's current occupant (position seen - w) leaves the window.
         ev = tl.load(ev_ptr + b).to(tl.float32)
-        k_old = tl.sum(tl.where(ws[:, None] == slot, K, 0.0).to(tl.float32), 0)
         v_old = tl.sum(tl.where(ws[:, None] == slot, V, 0.0).to(tl.float32), 0)
-        pk = phi(k_old) * ev
+        if FEATURES:
+            pk = tl.load(fk_ptr + bhk * F + f).to(tl.float32) * ev
+        else:
+            k_old = tl.sum(tl.where(ws[:, None] == slot, K, 0.0).to(tl.float32), 0)
+            pk = phi(k_old) * ev
         S += pk[:, None] * v_old[None, :]
         z += pk
     k_in = tl.load(k_ptr + b * skb + hk * skh + d).to(kw_ptr.dtype.element_ty)
@@ -80,7 +94,7 @@ def _step_kernel(
         tl.store(kw_new + win_off, K, mask=w_ok[:, None])
         tl.store(vw_new + win_off, V, mask=w_ok[:, None])
     tl.store(s_new + st_off, S)
-    tl.store(z_new + bhk * D + d, z)
+    tl.store(z_new + bhk * F + f, z)
 
     valid = tl.load(valid_ptr + b * W + ws, mask=w_ok, other=0) != 0
     Kf = K.to(tl.float32)
@@ -96,11 +110,19 @@ def _step_kernel(
         p = tl.exp(s - m)  # 0 on empty / padded slots
         l = tl.sum(p, 0)
         acc = tl.sum(p[:, None] * Vf, 0)
-        pq = phi(q)
-        lin = tl.sum(pq[:, None] * S, 0)
-        lden = tl.sum(pq * z, 0)
+        # Without the linear part the caller passes a = 1, b = 0: out = acc / l exactly.
         a = tl.load(a_ptr + h)
         bw = tl.load(b_ptr + h)
+        if LINEAR:
+            if FEATURES:
+                pq = tl.load(fq_ptr + (b * H + h) * F + f).to(tl.float32)
+            else:
+                pq = phi(q)
+            lin = tl.sum(pq[:, None] * S, 0)
+            lden = tl.sum(pq * z, 0)
+        else:
+            lin = tl.zeros([D], tl.float32)
+            lden = 0.0
         if LOLCATS:
             num = a * acc + bw * lin
             den = a * l + bw * lden
@@ -120,7 +142,7 @@ def hybrid_attention_step_triton(
     window_logit: Tensor,
     linear_logit: Tensor,
     *,
-    feature_map="elu1",
+    feature_map: FeatureMap = "elu1",
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
     inplace: bool = False,
@@ -129,9 +151,10 @@ def hybrid_attention_step_triton(
 
     q ``[B, H, 1, D]``; k, v ``[B, H_kv, 1, D]`` with the state's heads equal to H_kv (H % H_kv == 0;
     H_kv = H for expanded k/v); ``key_valid`` ``[B]`` bool. Returns (out ``[B, H, 1, D]``, new state).
+    ``feature_map``: "elu1" (fused), or a callable / (query_map, key_map) pair applied in torch to the
+    new query and to the key leaving the window; the state's S is then ``[B, H_kv, F, D]``.
     """
-    check_feature_map(feature_map)
-    lolcats = check_formulation(formulation)
+    lolcats, linear = formulation_flags(formulation)
     check_step_shapes(q, k, v, state)
     if v.shape != k.shape:
         raise ValueError(f"triton decode needs v shaped like k {tuple(k.shape)}, got {tuple(v.shape)}")
@@ -140,20 +163,49 @@ def hybrid_attention_step_triton(
     w = state.window
     check_head_dim(D)
     check_device(q)
-    if state.S.shape != (B, HKV, D, D):
-        raise NotImplementedError("triton decode supports elu1 states with F = D only")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise NotImplementedError(f"triton decode supports fp32/fp16/bf16, got {q.dtype}")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, window_logit, linear_logit)):
+    features = not is_elu1(feature_map)
+    query_map, key_map = resolve_qk_maps(feature_map)
+    if features and HKV != H and keys_need_query_heads(feature_map):
+        raise ValueError(
+            "a single per-head feature map (e.g. HedgehogFeatureMap) needs k/v and the state expanded to the "
+            "query heads; pass a (query_map, key_map) pair to keep them at the KV heads"
+        )
+    F = state.S.shape[2] if state.S.dim() == 4 else -1
+    if state.S.shape != (B, HKV, F, D) or state.z.shape != (B, HKV, F):
+        raise ValueError(f"state S {tuple(state.S.shape)} / z {tuple(state.z.shape)} do not match [B, H_kv, F, D] "
+                         f"= [{B}, {HKV}, F, {D}]")
+    if not features and F != D:
+        raise NotImplementedError("triton decode supports elu1 states with F = D only")
+    if features:
+        check_feature_dim(F, D)
+    slot = state.seen % w
+    evict = state.seen >= w
+    # Features in torch, as the torch step computes them: phi(q) for the readout, phi(k) of the key
+    # leaving the window (masked by the slot's validity in the kernel).
+    phi_q = phi_old = None
+    if features:
+        if linear:
+            phi_q = query_map(q.float())
+            if phi_q.shape != (B, H, 1, F):
+                raise ValueError(f"query features {tuple(phi_q.shape)} do not match the state's width F = {F}")
+        if evict:
+            phi_old = key_map(state.k_window[:, :, slot : slot + 1].float())
+            if phi_old.shape != (B, HKV, 1, F):
+                raise ValueError(f"key features {tuple(phi_old.shape)} do not match the state's width F = {F}")
+    grad_inputs = (q, k, v, window_logit, linear_logit, *(x for x in (phi_q, phi_old) if x is not None))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in grad_inputs):
         # The step kernel has no backward; the dispatcher then uses the (differentiable) torch step.
         raise NotImplementedError("triton decode step is inference-only (no autograd)")
     valid_new = torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     kw, vw = state.k_window.contiguous(), state.v_window.contiguous()
     S, z = state.S.float().contiguous(), state.z.float().contiguous()
-    slot = state.seen % w
-    evict = state.seen >= w
     ev = state.window_valid[:, slot].to(torch.int8).contiguous()  # read before the slot is overwritten
+    # [B, H, F] and [B, H_kv, F], contiguous; placeholders (never read) when the kernel computes elu1.
+    fq = phi_q.reshape(B, H, F).contiguous() if phi_q is not None else q
+    fk = phi_old.reshape(B, HKV, F).contiguous() if phi_old is not None else k
     if inplace:
         if not (kw is state.k_window and vw is state.v_window and S is state.S and z is state.z):
             raise ValueError("inplace=True needs contiguous fp32 S/z and contiguous window buffers")
@@ -167,14 +219,19 @@ def hybrid_attention_step_triton(
         new = HybridState(torch.empty_like(kw), torch.empty_like(vw), valid, torch.empty_like(S), torch.empty_like(z),
                           state.seen + 1)
     valid8 = valid.to(torch.int8)
-    a = torch.sigmoid(window_logit.detach().float()).contiguous()
-    bw = torch.sigmoid(linear_logit.detach().float()).contiguous()
+    if linear:
+        a = torch.sigmoid(window_logit.detach().float()).contiguous()
+        bw = torch.sigmoid(linear_logit.detach().float()).contiguous()
+    else:  # the window formulation: hybrid with b = 0, a = 1 makes its normalisation exact
+        a = torch.ones(H, device=q.device, dtype=torch.float32)
+        bw = torch.zeros(H, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     _step_kernel[(B * HKV,)](
-        q, k, v, out, kw, vw, S, z, new.k_window, new.v_window, new.S, new.z, valid8, ev, a, bw,
+        q, k, v, out, fq, fk, kw, vw, S, z, new.k_window, new.v_window, new.S, new.z, valid8, ev, a, bw,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         H, HKV, slot, 1.0 / math.sqrt(D),
-        W=w, WP=triton.next_power_of_2(w), D=D, EVICT=evict, INPLACE=inplace, LOLCATS=lolcats,
-        num_warps=8 if D * max(D, w) >= 64 * 64 else 4,  # 4 warps need ~254 registers at D = w = 64
+        W=w, WP=triton.next_power_of_2(w), D=D, F=F, EVICT=evict, INPLACE=inplace, LOLCATS=lolcats,
+        FEATURES=features, LINEAR=linear,
+        num_warps=8 if D * max(F, w) >= 64 * 64 else 4,  # 4 warps need ~254 registers at D = w = 64
     )
     return out, new

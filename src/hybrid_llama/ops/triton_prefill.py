@@ -5,7 +5,7 @@ Layout (all kernels use one block size ``BLOCK`` for query blocks, key blocks an
 forward
   1. ``_kv_state_kernel``, one program per (batch, KV head, chunk c): ``phi(K_c)^T V_c`` [F, D] and
      ``sum phi(K_c)`` [F]. A torch cumsum over the chunk axis turns them into exclusive prefix states
-     ``S_c = sum over keys < c*BLOCK`` ([B*Hkv, T/BLOCK + 1, F, D] fp32; the only O(T/C * D^2) tensor).
+     ``S_c = sum over keys < c*BLOCK`` ([B*Hkv, T/BLOCK + 1, F, D] fp32; the only O(T/C * F*D) tensor).
   2. ``_fwd_kernel``, one program per (batch, head, query block [s, s+BLOCK)):
      - window: online softmax over the key blocks covering [s-w+1, s+BLOCK-1] (two blocks when
        BLOCK = w), masked to j in [t-w+1, t];
@@ -13,7 +13,7 @@ forward
        the keys [c0*BLOCK, s+BLOCK-1-w] under the exact mask j <= t-w (quadratic within <= 2 blocks);
      - combine with a = sigmoid(window_logit), b = sigmoid(linear_logit) as in reference.combine.
      It stores the output, and per row the window max m, the window sum l (relative to m) and the
-     denominator, which is all the backward needs besides q, k, v, o.
+     denominator, which is all the backward needs besides q, k, v, o (and the features, if given).
 
 backward (everything fused except the chunk-axis cumsums and the [H] logit-gradient sums)
   3. ``_bwd_q_kernel`` per (batch, head, query block): recomputes the window probabilities from
@@ -26,9 +26,22 @@ backward (everything fused except the chunk-axis cumsums and the [H] logit-gradi
      (GQA: dk, dv are summed without materialising repeated k/v) and over the query blocks within
      the window after the keys, plus the intra-chunk linear part and the suffix state.
 
+Feature maps (constexpr ``FEATURES``): elu1 is computed inside the kernels from q and k (F = D),
+and its derivative is applied there, so the kernels return dq, dk directly. Any other map is
+applied in torch by ``hybrid_attention_triton`` (so autograd reaches its parameters); the kernels
+then read phi(q) ``[B, H, T, F]`` and phi(k) ``[B, H_kv, T, F]`` for the linear part (the window
+still uses the raw q, k) and return d phi(q), d phi(k) beside dq, dk, dv. The same kernels serve
+both cases: only the loads of the features and the last step of their gradients differ. A
+(query_map, key_map) pair maps the keys at the KV heads; a single map other than elu1 may be per
+head, so k/v are expanded to the query heads before it (as the chunked backend does).
+
+``formulation="window"`` (constexpr ``LINEAR`` False) is the hybrid formulation with b = 0: the
+prefix states, the linear readout and the key-side linear gradients are compiled out, and the
+feature maps are not evaluated at all.
+
 GQA: k, v may have H_kv heads with H % H_kv == 0 (or be expanded, H_kv = H); query head h reads
-KV head h // (H / H_kv). Key padding is supported; callable feature maps raise NotImplementedError
-so that ``hybrid_llama.ops.hybrid_attention`` falls back to the chunked backend.
+KV head h // (H / H_kv). Key padding is supported (padded keys' features are masked to zero in
+the kernels: a learned phi(k) of a padded row is not zero).
 
 LoLCATs: its window term uses exp(s - m) with m the window max, and the reference lets the gradient
 flow through that max (torch.amax). The kernels track the argmax key per row and route the
@@ -44,13 +57,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
 from .triton_common import (
     check_device,
-    check_feature_map,
-    check_formulation,
+    check_feature_dim,
     check_head_dim,
     dot_precision,
     dphi,
+    formulation_flags,
     last_dim_contiguous,
     phi,
 )
@@ -60,7 +74,7 @@ DEFAULT_BLOCK = 64
 
 @triton.jit
 def _load_rows(ptr, rows, stride_t, cols, ok):
-    """[BLOCK, D] tile of rows ``rows`` (zeros where not ``ok``)."""
+    """[BLOCK, len(cols)] tile of rows ``rows`` (zeros where not ``ok``)."""
     return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=ok[:, None], other=0.0)
 
 
@@ -71,6 +85,17 @@ def _key_ok(km_ptr, b, smb, rows, T, HAS_MASK: tl.constexpr):
     if HAS_MASK:
         ok = ok & (tl.load(km_ptr + b * smb + rows, mask=rows < T, other=0) != 0)
     return ok
+
+
+@triton.jit
+def _q_feature_rows(qbase, fqbase, rows, sqt, sfqt, d, f, ok, FEATURES: tl.constexpr):
+    """phi(q) of the query rows ``rows`` in fp32, [BLOCK, F], zero where not ``ok``: read from the
+    given features, or elu1 of q."""
+    if FEATURES:
+        pq = _load_rows(fqbase, rows, sfqt, f, ok).to(tl.float32)
+    else:
+        pq = tl.where(ok[:, None], phi(_load_rows(qbase, rows, sqt, d, ok).to(tl.float32)), 0.0)
+    return pq
 
 
 # --------------------------------------------------------------------------------------- forward
@@ -91,30 +116,38 @@ def _window_block(q, kbase, vbase, km_ptr, b, smb, tq, n, r, d, skt, svt, T, W, 
 
 
 @triton.jit
-def _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK: tl.constexpr, D: tl.constexpr):
-    """The chunk c0 and prefix state (S, z) that every query row of block [s0, s0+BLOCK) sees whole."""
+def _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK: tl.constexpr, D: tl.constexpr,
+                  F: tl.constexpr):
+    """The chunk c0 and prefix state (S [F, D], z [F]) that every query row of block [s0, s0+BLOCK)
+    sees whole."""
     c0 = tl.maximum(s0 - W, 0) // BLOCK
     sbase = (b * HKV + hk) * NC1 + c0
-    s_pre = tl.load(s_ptr + sbase * D * D + d[:, None] * D + d[None, :])
-    z_pre = tl.load(z_ptr + sbase * D + d)
+    s_pre = tl.load(s_ptr + sbase * F * D + f[:, None] * D + d[None, :])
+    z_pre = tl.load(z_ptr + sbase * F + f)
     return c0, s_pre, z_pre
 
 
 @triton.jit
-def _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK: tl.constexpr):
-    """phi(k) (zero for padded keys) and v, in fp32, of the key rows tk."""
+def _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfkt, T,
+                   HAS_MASK: tl.constexpr, FEATURES: tl.constexpr):
+    """phi(k) [BLOCK, F] and v [BLOCK, D] of the key rows tk in fp32, both zero for padded or
+    out-of-range keys (phi(0) = 1 for elu1, and learned features of a padded row are not zero)."""
     k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
-    pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
+    if FEATURES:
+        pk = _load_rows(fkbase, tk, sfkt, f, k_ok).to(tl.float32)
+    else:
+        pk = tl.where(k_ok[:, None], phi(_load_rows(kbase, tk, skt, d, k_ok).to(tl.float32)), 0.0)
     vf = _load_rows(vbase, tk, svt, d, k_ok).to(tl.float32)
     return pk, vf
 
 
 @triton.jit
 def _kv_state_kernel(
-    k_ptr, v_ptr, km_ptr, s_ptr, z_ptr,
-    skb, skh, skt, svb, svh, svt, smb,
+    k_ptr, v_ptr, fk_ptr, km_ptr, s_ptr, z_ptr,
+    skb, skh, skt, svb, svh, svt, sfkb, sfkh, sfkt, smb,
     HKV, T, NC1,
-    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr,
+    FEATURES: tl.constexpr, PREC: tl.constexpr,
 ):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
@@ -122,25 +155,24 @@ def _kv_state_kernel(
     hk = bh % HKV
     rows = c * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, D)
-    ok = _key_ok(km_ptr, b, smb, rows, T, HAS_MASK)
-    kf = _load_rows(k_ptr + b * skb + hk * skh, rows, skt, d, ok).to(tl.float32)
-    vf = _load_rows(v_ptr + b * svb + hk * svh, rows, svt, d, ok).to(tl.float32)
-    pk = tl.where(ok[:, None], phi(kf), 0.0)  # phi(0) = 1, so padded rows must be zeroed
+    f = tl.arange(0, F)
+    pk, vf = _phi_key_block(k_ptr + b * skb + hk * skh, v_ptr + b * svb + hk * svh, fk_ptr + b * sfkb + hk * sfkh,
+                            km_ptr, b, smb, rows, d, f, skt, svt, sfkt, T, HAS_MASK, FEATURES)
     st = tl.dot(tl.trans(pk), vf, input_precision=PREC)
     # Chunk c goes to slot c + 1: a cumsum over slots then gives the exclusive prefix in slot c.
     slot = bh * NC1 + c + 1
-    tl.store(s_ptr + slot * D * D + d[:, None] * D + d[None, :], st)
-    tl.store(z_ptr + slot * D + d, tl.sum(pk, 0))
+    tl.store(s_ptr + slot * F * D + f[:, None] * D + d[None, :], st)
+    tl.store(z_ptr + slot * F + f, tl.sum(pk, 0))
 
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
+    q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, o_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
     m_ptr, l_ptr, den_ptr, idx_ptr,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, smb,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sob, soh, sot, smb,
     H, HKV, T, W, NC1, sm_scale,
-    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
 ):
     mb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
@@ -150,6 +182,7 @@ def _fwd_kernel(
     s0 = mb * BLOCK
     r = tl.arange(0, BLOCK)
     d = tl.arange(0, D)
+    f = tl.arange(0, F)
     tq = s0 + r
     q_ok = tq < T
     q = _load_rows(q_ptr + b * sqb + h * sqh, tq, sqt, d, q_ok)
@@ -180,18 +213,27 @@ def _fwd_kernel(
 
     # Linear: keys j <= t - w. Prefix state of the chunks every row of the block sees, then the
     # remaining keys (at most two blocks) under the exact mask.
-    pq = phi(q.to(tl.float32))
-    c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK, D)
-    lin = tl.dot(pq, s_pre, input_precision=PREC)
-    lden = tl.sum(pq * z_pre[None, :], 1)
-    for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
-        tk = n + r
-        pk, vf = _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK)
-        A = tl.dot(pq, tl.trans(pk), input_precision=PREC)
-        A = tl.where(tk[None, :] <= tq[:, None] - W, A, 0.0)
-        lin += tl.dot(A, vf, input_precision=PREC)
-        lden += tl.sum(A, 1)
+    lin = tl.zeros([BLOCK, D], tl.float32)
+    lden = tl.zeros([BLOCK], tl.float32)
+    if LINEAR:
+        if FEATURES:
+            pq = _load_rows(fq_ptr + b * sfqb + h * sfqh, tq, sfqt, f, q_ok).to(tl.float32)
+        else:
+            pq = phi(q.to(tl.float32))
+        c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK, D, F)
+        lin += tl.dot(pq, s_pre, input_precision=PREC)
+        lden += tl.sum(pq * z_pre[None, :], 1)
+        fkbase = fk_ptr + b * sfkb + hk * sfkh
+        for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
+            tk = n + r
+            pk, vf = _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfkt, T,
+                                    HAS_MASK, FEATURES)
+            A = tl.dot(pq, tl.trans(pk), input_precision=PREC)
+            A = tl.where(tk[None, :] <= tq[:, None] - W, A, 0.0)
+            lin += tl.dot(A, vf, input_precision=PREC)
+            lden += tl.sum(A, 1)
 
+    # Without the linear part the caller passes a = 1, b = 0: out = acc / l exactly.
     a = tl.load(a_ptr + h)
     bw = tl.load(b_ptr + h)
     if LOLCATS:
@@ -219,14 +261,14 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_q_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, dq_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
+    q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, o_ptr, do_ptr, dq_ptr, dfq_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
     m_ptr, l_ptr, den_ptr, idx_ptr,
     gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr, da_ptr, db_ptr,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdob, sdoh, sdot,
-    sdqb, sdqh, sdqt, smb,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sob, soh, sot,
+    sdob, sdoh, sdot, sdqb, sdqh, sdqt, sdfqb, sdfqh, sdfqt, smb,
     H, HKV, T, W, NC1, sm_scale,
-    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
 ):
     mb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
@@ -236,6 +278,7 @@ def _bwd_q_kernel(
     s0 = mb * BLOCK
     r = tl.arange(0, BLOCK)
     d = tl.arange(0, D)
+    f = tl.arange(0, F)
     tq = s0 + r
     q_ok = tq < T
     q = _load_rows(q_ptr + b * sqb + h * sqh, tq, sqt, d, q_ok)
@@ -296,26 +339,38 @@ def _bwd_q_kernel(
         dq += dm[:, None] * k_max.to(tl.float32)
     dq = dq * sm_scale
 
-    # Linear part: readout (for the logit gradient) and dq, from the prefix state and <= 2 blocks.
+    # Linear part: readout (for the logit gradient) and d phi(q), from the prefix state and <= 2
+    # blocks. d phi(q) goes into dq through elu1's derivative, or out as the features' gradient.
     lsc = bw * inv  # dN = lsc * do, the gradient of phi(q) S
     ldd = bw * dden  # dZ, the gradient of phi(q) . z
-    dn = do * lsc[:, None]
-    pq = phi(qf)
-    c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, BLOCK, D)
-    lin = tl.dot(pq, s_pre, input_precision=PREC)
-    lden = tl.sum(pq * z_pre[None, :], 1)
-    dpq = tl.dot(dn, tl.trans(s_pre), input_precision=PREC) + ldd[:, None] * z_pre[None, :]
-    for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
-        tk = n + r
-        pk, vf = _phi_key_block(kbase, vbase, km_ptr, b, smb, tk, d, skt, svt, T, HAS_MASK)
-        ok = tk[None, :] <= tq[:, None] - W
-        A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
-        lin += tl.dot(A, vf, input_precision=PREC)
-        lden += tl.sum(A, 1)
-        dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
-        dpq += tl.dot(dA, pk, input_precision=PREC)
-    dq += dpq * dphi(qf)
-    db_row = tl.sum(dnum * lin, 1) + dden * lden
+    db_row = tl.zeros([BLOCK], tl.float32)
+    if LINEAR:
+        dn = do * lsc[:, None]
+        if FEATURES:
+            pq = _load_rows(fq_ptr + b * sfqb + h * sfqh, tq, sfqt, f, q_ok).to(tl.float32)
+        else:
+            pq = phi(qf)
+        c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK, D, F)
+        lin = tl.dot(pq, s_pre, input_precision=PREC)
+        lden = tl.sum(pq * z_pre[None, :], 1)
+        dpq = tl.dot(dn, tl.trans(s_pre), input_precision=PREC) + ldd[:, None] * z_pre[None, :]
+        fkbase = fk_ptr + b * sfkb + hk * sfkh
+        for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
+            tk = n + r
+            pk, vf = _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfkt, T,
+                                    HAS_MASK, FEATURES)
+            ok = tk[None, :] <= tq[:, None] - W
+            A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
+            lin += tl.dot(A, vf, input_precision=PREC)
+            lden += tl.sum(A, 1)
+            dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
+            dpq += tl.dot(dA, pk, input_precision=PREC)
+        if FEATURES:
+            tl.store(dfq_ptr + b * sdfqb + h * sdfqh + tq[:, None] * sdfqt + f[None, :],
+                     dpq.to(dfq_ptr.dtype.element_ty), mask=q_ok[:, None])
+        else:
+            dq += dpq * dphi(qf)
+        db_row += tl.sum(dnum * lin, 1) + dden * lden
 
     tl.store(dq_ptr + b * sdqb + h * sdqh + tq[:, None] * sdqt + d[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=q_ok[:, None])
@@ -331,12 +386,12 @@ def _bwd_q_kernel(
 
 @triton.jit
 def _q_state_kernel(
-    q_ptr, do_ptr, lsc_ptr, ldd_ptr, g_ptr, gz_ptr,
-    sqb, sqh, sqt, sdob, sdoh, sdot,
+    q_ptr, fq_ptr, do_ptr, lsc_ptr, ldd_ptr, g_ptr, gz_ptr,
+    sqb, sqh, sqt, sfqb, sfqh, sfqt, sdob, sdoh, sdot,
     H, HKV, T, NC1,
-    BLOCK: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, FEATURES: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk, summed over the query heads of one KV head: phi(Q)^T dN and phi(Q)^T dZ."""
+    """Per chunk, summed over the query heads of one KV head: phi(Q)^T dN [F, D] and phi(Q)^T dZ [F]."""
     c = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // HKV
@@ -344,12 +399,14 @@ def _q_state_kernel(
     group = H // HKV
     rows = c * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, D)
+    f = tl.arange(0, F)
     ok = rows < T
-    gs = tl.zeros([D, D], tl.float32)
-    gz = tl.zeros([D], tl.float32)
+    gs = tl.zeros([F, D], tl.float32)
+    gz = tl.zeros([F], tl.float32)
     for hh in range(0, group):
         h = hk * group + hh
-        pq = tl.where(ok[:, None], phi(_load_rows(q_ptr + b * sqb + h * sqh, rows, sqt, d, ok).to(tl.float32)), 0.0)
+        pq = _q_feature_rows(q_ptr + b * sqb + h * sqh, fq_ptr + b * sfqb + h * sfqh, rows, sqt, sfqt, d, f, ok,
+                             FEATURES)
         do = _load_rows(do_ptr + b * sdob + h * sdoh, rows, sdot, d, ok).to(tl.float32)
         row = (b * H + h) * T + rows
         lsc = tl.load(lsc_ptr + row, mask=ok, other=0.0)
@@ -357,19 +414,19 @@ def _q_state_kernel(
         gs += tl.dot(tl.trans(pq), do * lsc[:, None], input_precision=PREC)
         gz += tl.sum(pq * ldd[:, None], 0)
     slot = bhk * NC1 + c
-    tl.store(g_ptr + slot * D * D + d[:, None] * D + d[None, :], gs)
-    tl.store(gz_ptr + slot * D + d, gz)
+    tl.store(g_ptr + slot * F * D + f[:, None] * D + d[None, :], gs)
+    tl.store(gz_ptr + slot * F + f, gz)
 
 
 @triton.jit
 def _bwd_kv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, km_ptr, g_ptr, gz_ptr,
+    q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, do_ptr, dk_ptr, dv_ptr, dfk_ptr, km_ptr, g_ptr, gz_ptr,
     m_ptr, l_ptr, idx_ptr, gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot,
-    sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, smb,
+    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sdob, sdoh, sdot,
+    sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, sdfkb, sdfkh, sdfkt, smb,
     H, HKV, T, W, NC1, sm_scale,
-    BLOCK: tl.constexpr, D: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    PREC: tl.constexpr,
+    BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
 ):
     nb = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
@@ -379,16 +436,21 @@ def _bwd_kv_kernel(
     n0 = nb * BLOCK
     r = tl.arange(0, BLOCK)
     d = tl.arange(0, D)
+    f = tl.arange(0, F)
     tk = n0 + r
     k_ok = _key_ok(km_ptr, b, smb, tk, T, HAS_MASK)
     kk = _load_rows(k_ptr + b * skb + hk * skh, tk, skt, d, k_ok)
     vv = _load_rows(v_ptr + b * svb + hk * svh, tk, svt, d, k_ok)
     kf = kk.to(tl.float32)
     vf = vv.to(tl.float32)
-    pk = tl.where(k_ok[:, None], phi(kf), 0.0)
+    if LINEAR:
+        if FEATURES:
+            pk = _load_rows(fk_ptr + b * sfkb + hk * sfkh, tk, sfkt, f, k_ok).to(tl.float32)
+        else:
+            pk = tl.where(k_ok[:, None], phi(kf), 0.0)
     dk = tl.zeros([BLOCK, D], tl.float32)
     dv = tl.zeros([BLOCK, D], tl.float32)
-    dpk = tl.zeros([BLOCK, D], tl.float32)
+    dpk = tl.zeros([BLOCK, F], tl.float32)
     # Queries t >= U see the whole key block through the linear state (suffix from chunk U/BLOCK).
     U = tl.cdiv(n0 + BLOCK - 1 + W, BLOCK) * BLOCK
     for hh in range(0, group):
@@ -420,28 +482,36 @@ def _bwd_kv_kernel(
                 dm = tl.load(dm_ptr + rbase + tq, mask=q_ok, other=0.0)
                 ds += tl.where(ok & (idx[None, :] == tk[:, None]), dm[None, :], 0.0)
             dk += tl.dot(ds.to(q.dtype), q, input_precision=PREC)
-        # Linear, queries t in [j+w, U) that the suffix state does not cover.
-        for ts in range(n0 + W, tl.minimum(U, T), BLOCK):
-            tq = ts + r
-            q_ok = tq < T
-            pq = tl.where(q_ok[:, None], phi(_load_rows(qbase, tq, sqt, d, q_ok).to(tl.float32)), 0.0)
-            do = _load_rows(dobase, tq, sdot, d, q_ok).to(tl.float32)
-            lsc = tl.load(lsc_ptr + rbase + tq, mask=q_ok, other=0.0)
-            ldd = tl.load(ldd_ptr + rbase + tq, mask=q_ok, other=0.0)
-            dn = do * lsc[:, None]
-            ok = (tq[None, :] >= tk[:, None] + W) & (q_ok & (tq < U))[None, :]  # t >= U: suffix state
-            A = tl.where(ok, tl.dot(pk, tl.trans(pq), input_precision=PREC), 0.0)
-            dv += tl.dot(A, dn, input_precision=PREC)
-            dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
-            dpk += tl.dot(dA, pq, input_precision=PREC)
+        if LINEAR:
+            # Linear, queries t in [j+w, U) that the suffix state does not cover.
+            fqbase = fq_ptr + b * sfqb + h * sfqh
+            for ts in range(n0 + W, tl.minimum(U, T), BLOCK):
+                tq = ts + r
+                q_ok = tq < T
+                pq = _q_feature_rows(qbase, fqbase, tq, sqt, sfqt, d, f, q_ok, FEATURES)
+                do = _load_rows(dobase, tq, sdot, d, q_ok).to(tl.float32)
+                lsc = tl.load(lsc_ptr + rbase + tq, mask=q_ok, other=0.0)
+                ldd = tl.load(ldd_ptr + rbase + tq, mask=q_ok, other=0.0)
+                dn = do * lsc[:, None]
+                ok = (tq[None, :] >= tk[:, None] + W) & (q_ok & (tq < U))[None, :]  # t >= U: suffix state
+                A = tl.where(ok, tl.dot(pk, tl.trans(pq), input_precision=PREC), 0.0)
+                dv += tl.dot(A, dn, input_precision=PREC)
+                dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
+                dpk += tl.dot(dA, pq, input_precision=PREC)
     dk = dk * sm_scale
-    cu = tl.minimum(U // BLOCK, NC1 - 1)
-    sbase = bhk * NC1 + cu
-    g_suf = tl.load(g_ptr + sbase * D * D + d[:, None] * D + d[None, :])
-    gz_suf = tl.load(gz_ptr + sbase * D + d)
-    dpk += tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :]
-    dv += tl.dot(pk, g_suf, input_precision=PREC)
-    dk += tl.where(k_ok[:, None], dpk * dphi(kf), 0.0)
+    if LINEAR:
+        cu = tl.minimum(U // BLOCK, NC1 - 1)
+        sbase = bhk * NC1 + cu
+        g_suf = tl.load(g_ptr + sbase * F * D + f[:, None] * D + d[None, :])
+        gz_suf = tl.load(gz_ptr + sbase * F + f)
+        dpk += tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :]
+        dv += tl.dot(pk, g_suf, input_precision=PREC)
+        # Padded keys never entered the linear part: their feature gradient is zero.
+        if FEATURES:
+            tl.store(dfk_ptr + b * sdfkb + hk * sdfkh + tk[:, None] * sdfkt + f[None, :],
+                     tl.where(k_ok[:, None], dpk, 0.0).to(dfk_ptr.dtype.element_ty), mask=(tk < T)[:, None])
+        else:
+            dk += tl.where(k_ok[:, None], dpk * dphi(kf), 0.0)
     tl.store(dk_ptr + b * sdkb + hk * sdkh + tk[:, None] * sdkt + d[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=(tk < T)[:, None])
     tl.store(dv_ptr + b * sdvb + hk * sdvh + tk[:, None] * sdvt + d[None, :], dv.to(dv_ptr.dtype.element_ty),
@@ -459,92 +529,165 @@ def _launch(block: int, d: int) -> dict:
     # Not tuned on a GPU yet. Chosen from offline sm_90 compiles (ptxas -v): at BLOCK = D = 64,
     # 4 warps spill registers in every kernel, 8 warps spill none in the forward and little in the
     # backward. D = 128 gets fewer pipeline stages so its [D, D] fp32 state fits in shared memory.
+    # ``d`` is the wider of the head dim and the feature width.
     return dict(num_warps=8 if block * d >= 64 * 64 else 4, num_stages=2 if d >= 128 else 3)
 
 
-def _kv_states(k: Tensor, v: Tensor, km: Tensor, has_mask: bool, block: int, prec: str) -> tuple[Tensor, Tensor]:
-    """Exclusive prefix states over chunks: S[bh, c] = sum over keys < c*block. [B*Hkv, NC+1, D, D]."""
+def default_block(d: int, f: int) -> int:
+    """Block for head dim d and feature width f (f = d for elu1); not timed on a GPU yet. Offline
+    sm_90 compiles at D = 64, F = 128 (Hedgehog): BLOCK 32 spills 44-96 B in the forward and
+    470-1140 B in the backward, BLOCK 64 0-80 B and 850-1530 B; the backward dominates training,
+    where learned maps are used, so wider features get BLOCK 32, as D = 128 does."""
+    return DEFAULT_BLOCK if max(d, f) <= 64 else 32
+
+
+def _kv_states(k: Tensor, v: Tensor, phi_k: Tensor | None, km: Tensor, has_mask: bool, block: int,
+               prec: str) -> tuple[Tensor, Tensor]:
+    """Exclusive prefix states over chunks: S[bh, c] = sum over keys < c*block, [B*Hkv, NC+1, F, D];
+    z [B*Hkv, NC+1, F]. phi(k) is elu1 of k, or ``phi_k`` when given."""
     B, HKV, T, D = k.shape
+    feats = phi_k if phi_k is not None else k
+    F = feats.shape[-1]
     nc = triton.cdiv(T, block)
-    s = torch.zeros(B * HKV, nc + 1, D, D, device=k.device, dtype=torch.float32)
-    z = torch.zeros(B * HKV, nc + 1, D, device=k.device, dtype=torch.float32)
+    s = torch.zeros(B * HKV, nc + 1, F, D, device=k.device, dtype=torch.float32)
+    z = torch.zeros(B * HKV, nc + 1, F, device=k.device, dtype=torch.float32)
     _kv_state_kernel[(nc, B * HKV)](
-        k, v, km, s, z, *_s3(k), *_s3(v), km.stride(0), HKV, T, nc + 1,
-        BLOCK=block, D=D, HAS_MASK=has_mask, PREC=prec, **_launch(block, D),
+        k, v, feats, km, s, z, *_s3(k), *_s3(v), *_s3(feats), km.stride(0), HKV, T, nc + 1,
+        BLOCK=block, D=D, F=F, HAS_MASK=has_mask, FEATURES=phi_k is not None, PREC=prec, **_launch(block, max(D, F)),
     )
     return s.cumsum_(1), z.cumsum_(1)
 
 
 class _HybridAttentionTriton(torch.autograd.Function):
+    """Inputs q, k, v, the two logits and, for learned maps, the features phi_q ``[B, H, T, F]`` and
+    phi_k ``[B, H_kv, T, F]`` (None for elu1, computed in the kernels, and when ``linear`` is False)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, window_logit, linear_logit, window, lolcats, key_padding_mask, block):
+    def forward(ctx, q, k, v, window_logit, linear_logit, phi_q, phi_k, window, lolcats, linear, key_padding_mask,
+                block):
         B, H, T, D = q.shape
         HKV = k.shape[1]
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+        features = phi_q is not None
+        if features:
+            phi_q, phi_k = last_dim_contiguous(phi_q), last_dim_contiguous(phi_k)
+        F = phi_q.shape[-1] if features else D
         has_mask = key_padding_mask is not None
         km = key_padding_mask.to(torch.int8).contiguous() if has_mask else q.new_zeros(1, 1, dtype=torch.int8)
-        a = torch.sigmoid(window_logit.detach().float()).contiguous()
-        bw = torch.sigmoid(linear_logit.detach().float()).contiguous()
+        if linear:
+            a = torch.sigmoid(window_logit.detach().float()).contiguous()
+            bw = torch.sigmoid(linear_logit.detach().float()).contiguous()
+        else:
+            # The window formulation is the hybrid one with b = 0; a = 1 makes its normalisation exact.
+            a = torch.ones(H, device=q.device, dtype=torch.float32)
+            bw = torch.zeros(H, device=q.device, dtype=torch.float32)
         prec = dot_precision(q.dtype)
-        s, z = _kv_states(k, v, km, has_mask, block, prec)
+        if linear:
+            s, z = _kv_states(k, v, phi_k, km, has_mask, block, prec)
+        else:
+            s = z = q.new_zeros(1, dtype=torch.float32)  # never read
+        fq, fk = (phi_q, phi_k) if features else (q, k)  # placeholders when the kernels compute elu1
         o = torch.empty_like(q)
         stats = torch.empty(3, B * H, T, device=q.device, dtype=torch.float32)
         m, l, den = stats[0], stats[1], stats[2]
         idx = torch.empty(B * H, T, device=q.device, dtype=torch.int32) if lolcats else m
         grid = (triton.cdiv(T, block), B * H)
         _fwd_kernel[grid](
-            q, k, v, o, km, s, z, a, bw, m, l, den, idx,
-            *_s3(q), *_s3(k), *_s3(v), *_s3(o), km.stride(0),
-            H, HKV, T, window, s.shape[1], 1.0 / math.sqrt(D),
-            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **_launch(block, D),
+            q, k, v, fq, fk, o, km, s, z, a, bw, m, l, den, idx,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(o), km.stride(0),
+            H, HKV, T, window, triton.cdiv(T, block) + 1, 1.0 / math.sqrt(D),
+            BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
+            PREC=prec, **_launch(block, max(D, F)),
         )
-        ctx.save_for_backward(q, k, v, o, km, a, bw, m, l, den, idx)
-        ctx.cfg = (window, lolcats, has_mask, block, window_logit.dtype, linear_logit.dtype)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx)
+        ctx.cfg = (window, lolcats, linear, has_mask, block, window_logit.dtype, linear_logit.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, km, a, bw, m, l, den, idx = ctx.saved_tensors
-        window, lolcats, has_mask, block, wl_dtype, ll_dtype = ctx.cfg
+        q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx = ctx.saved_tensors
+        window, lolcats, linear, has_mask, block, wl_dtype, ll_dtype = ctx.cfg
         B, H, T, D = q.shape
         HKV = k.shape[1]
+        features = phi_q is not None
+        F = phi_q.shape[-1] if features else D
         do = last_dim_contiguous(do)
         prec = dot_precision(q.dtype)
         scale = 1.0 / math.sqrt(D)
-        launch = _launch(block, D)
-        s, z = _kv_states(k, v, km, has_mask, block, prec)  # recomputed: cheaper than keeping them
-        nc1 = s.shape[1]
+        launch = _launch(block, max(D, F))
+        nc1 = triton.cdiv(T, block) + 1
+        if linear:
+            s, z = _kv_states(k, v, phi_k, km, has_mask, block, prec)  # recomputed: cheaper than keeping them
+        else:
+            s = z = q.new_zeros(1, dtype=torch.float32)
+        fq, fk = (phi_q, phi_k) if features else (q, k)
         dq = torch.empty_like(q)
+        dfq = torch.empty_like(phi_q) if features else dq
         rows = torch.empty(7, B * H, T, device=q.device, dtype=torch.float32)
         gsc, dt, lsc, ldd, dm, da_row, db_row = rows.unbind(0)
         _bwd_q_kernel[(triton.cdiv(T, block), B * H)](
-            q, k, v, o, do, dq, km, s, z, a, bw, m, l, den, idx,
+            q, k, v, fq, fk, o, do, dq, dfq, km, s, z, a, bw, m, l, den, idx,
             gsc, dt, lsc, ldd, dm, da_row, db_row,
-            *_s3(q), *_s3(k), *_s3(v), *_s3(o), *_s3(do), *_s3(dq), km.stride(0),
+            *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(o), *_s3(do), *_s3(dq), *_s3(dfq), km.stride(0),
             H, HKV, T, window, nc1, scale,
-            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **launch,
+            BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
+            PREC=prec, **launch,
         )
         del s, z
-        # Query-side chunk states, then suffix sums: slot c = sum over query chunks >= c.
-        g = torch.zeros(B * HKV, nc1, D, D, device=q.device, dtype=torch.float32)
-        gz = torch.zeros(B * HKV, nc1, D, device=q.device, dtype=torch.float32)
-        _q_state_kernel[(nc1 - 1, B * HKV)](
-            q, do, lsc, ldd, g, gz, *_s3(q), *_s3(do), H, HKV, T, nc1,
-            BLOCK=block, D=D, PREC=prec, **launch,
-        )
-        g = g.flip(1).cumsum_(1).flip(1)
-        gz = gz.flip(1).cumsum_(1).flip(1)
+        if linear:
+            # Query-side chunk states, then suffix sums: slot c = sum over query chunks >= c.
+            g = torch.zeros(B * HKV, nc1, F, D, device=q.device, dtype=torch.float32)
+            gz = torch.zeros(B * HKV, nc1, F, device=q.device, dtype=torch.float32)
+            _q_state_kernel[(nc1 - 1, B * HKV)](
+                q, fq, do, lsc, ldd, g, gz, *_s3(q), *_s3(fq), *_s3(do), H, HKV, T, nc1,
+                BLOCK=block, D=D, F=F, FEATURES=features, PREC=prec, **launch,
+            )
+            g = g.flip(1).cumsum_(1).flip(1)
+            gz = gz.flip(1).cumsum_(1).flip(1)
+        else:
+            g = gz = q.new_zeros(1, dtype=torch.float32)  # never read
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
+        dfk = torch.empty_like(phi_k) if features else dk
         _bwd_kv_kernel[(triton.cdiv(T, block), B * HKV)](
-            q, k, v, do, dk, dv, km, g, gz, m, l, idx, gsc, dt, lsc, ldd, dm,
-            *_s3(q), *_s3(k), *_s3(v), *_s3(do), *_s3(dk), *_s3(dv), km.stride(0),
+            q, k, v, fq, fk, do, dk, dv, dfk, km, g, gz, m, l, idx, gsc, dt, lsc, ldd, dm,
+            *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(do), *_s3(dk), *_s3(dv), *_s3(dfk), km.stride(0),
             H, HKV, T, window, nc1, scale,
-            BLOCK=block, D=D, HAS_MASK=has_mask, LOLCATS=lolcats, PREC=prec, **launch,
+            BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
+            PREC=prec, **launch,
         )
-        dwl = (da_row.view(B, H, T).sum((0, 2)) * a * (1 - a)).to(wl_dtype)
-        dll = (db_row.view(B, H, T).sum((0, 2)) * bw * (1 - bw)).to(ll_dtype)
-        return dq, dk, dv, dwl, dll, None, None, None, None
+        if linear:
+            dwl = (da_row.view(B, H, T).sum((0, 2)) * a * (1 - a)).to(wl_dtype)
+            dll = (db_row.view(B, H, T).sum((0, 2)) * bw * (1 - bw)).to(ll_dtype)
+        else:  # the window formulation does not depend on the mixing weights
+            dwl = torch.zeros(H, device=q.device, dtype=wl_dtype)
+            dll = torch.zeros(H, device=q.device, dtype=ll_dtype)
+        if not features:
+            dfq = dfk = None
+        return dq, dk, dv, dwl, dll, dfq, dfk, None, None, None, None, None
+
+
+def _features(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMap) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(k, v, phi(q), phi(k)) for a map other than elu1, computed in torch so that autograd reaches
+    its parameters. A single map may be per head (e.g. a HedgehogFeatureMap of H heads), so with it
+    GQA k/v are expanded to the query heads first; a (query_map, key_map) pair maps k at the KV heads."""
+    if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
+        from . import expand_kv  # (lazy: the package imports this module lazily too)
+
+        k, v = expand_kv(q, k, v)
+    query_map, key_map = resolve_qk_maps(feature_map)
+    phi_q, phi_k = query_map(q), key_map(k)
+    B, H, T, _ = q.shape
+    F = phi_q.shape[-1]
+    if phi_q.shape != (B, H, T, F) or phi_k.shape != (B, k.shape[1], T, F):
+        raise ValueError(
+            f"feature maps must give phi(q) [B, H, T, F] and phi(k) [B, H_kv, T, F] of one width F; got "
+            f"{tuple(phi_q.shape)} and {tuple(phi_k.shape)}"
+        )
+    check_feature_dim(F, q.shape[-1])
+    if not (phi_q.is_floating_point() and phi_k.is_floating_point()):
+        raise ValueError(f"features must be floating point, got {phi_q.dtype}, {phi_k.dtype}")
+    return k, v, phi_q, phi_k
 
 
 def hybrid_attention_triton(
@@ -556,15 +699,17 @@ def hybrid_attention_triton(
     *,
     window: int = 64,
     formulation: str = "hybrid",
-    feature_map="elu1",
+    feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     block_size: int | None = None,
 ) -> Tensor:
     """Fused hybrid attention (see docs/design.md "ops"): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``
-    with ``H % H_kv == 0``; returns ``[B, H, T, D]`` in q's dtype. Differentiable in q, k, v and both
-    logits. ``block_size`` (power of two >= 16) is the query/key/chunk block, default 64 (32 for D = 128)."""
-    check_feature_map(feature_map)
-    lolcats = check_formulation(formulation)
+    with ``H % H_kv == 0``; returns ``[B, H, T, D]`` in q's dtype. Differentiable in q, k, v, both
+    logits and the parameters of a learned ``feature_map`` ("elu1", one callable for q and k, or a
+    (query_map, key_map) pair; the maps run in torch, the kernels read their features).
+    ``block_size`` (power of two >= 16) is the query/key/chunk block, default 64 (32 when D or the
+    feature width is above 64)."""
+    lolcats, linear = formulation_flags(formulation)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"q must be [B, H, T, D], k/v [B, H_kv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = q.shape
@@ -583,9 +728,15 @@ def hybrid_attention_triton(
         raise ValueError(f"window must be >= 1, got {window}")
     if key_padding_mask is not None and (key_padding_mask.shape != (B, T) or key_padding_mask.dtype != torch.bool):
         raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}]")
-    block = block_size or (DEFAULT_BLOCK if D <= 64 else 32)
+    resolve_qk_maps(feature_map)  # rejects unknown names even where the maps go unused
+    phi_q = phi_k = None
+    if linear and not is_elu1(feature_map) and T > 0:
+        k, v, phi_q, phi_k = _features(q, k, v, feature_map)
+    F = phi_q.shape[-1] if phi_q is not None else D
+    block = block_size or default_block(D, F)
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block}")
     if T == 0:
         return q.new_zeros(q.shape)
-    return _HybridAttentionTriton.apply(q, k, v, window_logit, linear_logit, int(window), lolcats, key_padding_mask, block)
+    return _HybridAttentionTriton.apply(q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats,
+                                        linear, key_padding_mask, block)
