@@ -484,8 +484,9 @@ def test_workflow_config_source_hf_resolves_to_tested_specs(fineweb_repo, dolly_
     assert local.data_source("transfer") == {"kind": "local", "path": str(EDU), "text_column": "text"}
     assert local.data_source("instruct") == {"kind": "local", "path": str(DOLLY)}
 
-    settings = smk.data_settings("transfer")
-    assert settings == local.data_settings("transfer") and settings["split"] == "train"
+    variant = next(iter(smk.variants))  # what the transfer_data rule packs for this variant
+    settings = smk.corpus_settings(**smk.corpus(variant))
+    assert settings == local.corpus_settings(**local.corpus(variant)) and settings["split"] == "train"
     a = prepare_transfer_corpus(transfer, tiny_tokenizer, tmp_path / "t_hf.safetensors", **settings)
     b = prepare_transfer_corpus(local.data_source("transfer"), tiny_tokenizer, tmp_path / "t_local.safetensors",
                                 **settings)

@@ -41,6 +41,7 @@ def make(cfg: dict | None = None, **overrides) -> Pipeline:
 
 SAMPLE = {"model": "smollm2", "variant": "even_w64", "stage": "transfer_lora", "device": "cuda:1-h100",
           "fmt": "cloze", "shots": "5", "kind": "perplexity", "job": "transfer/smollm2/even_w64",
+          "seq_len": "2048", "num_tokens": "65536",
           "key": "0123456789ab"}
 
 
@@ -80,8 +81,10 @@ def test_library_defaults_are_the_schema_defaults():
     from hybrid_llama.train.finetune import FINETUNE_DEFAULTS
     from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
 
+    from hybrid_llama.train.transfer import CORPUS_KEYS
+
     assert {k: v for k, v in TRANSFER_DEFAULTS.items() if k not in RUN_DEFAULTS and k != "eval_path"} \
-        == schema_defaults("transfer")
+        == {k: v for k, v in schema_defaults("transfer").items() if k not in CORPUS_KEYS}
     assert {k: v for k, v in FINETUNE_DEFAULTS.items() if k not in RUN_DEFAULTS} == schema_defaults("lora")
     fields = {f.name: f.default for f in dataclasses.fields(HybridConfig) if f.name != "layers"}
     assert fields == pipeline.hybrid_defaults()
@@ -96,8 +99,8 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
     from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
 
     wf = make()
-    recipe_keys = set(schema_defaults("transfer"))
-    workflow_recipe = {k: v for k, v in wf.transfer("v").items() if k in recipe_keys}
+    workflow_recipe = wf.transfer_train("v")  # the transfer rule's params
+    recipe_keys = set(workflow_recipe)
     library_recipe = canonical({k: TRANSFER_DEFAULTS[k] for k in recipe_keys})
     assert workflow_recipe == library_recipe
 
@@ -140,8 +143,17 @@ def test_variant_overrides_merge_into_the_sections():
     (lambda c: c["data"]["transfer"].update(source="local", local="nowhere/x.jsonl"), "data.transfer.local",
      "does not exist"),
     (lambda c: c["mmlu"].update(subjects=["astrology"]), "mmlu.subjects", "unknown subjects"),
-    (lambda c: c["data"]["transfer"].update(num_tokens=2048, seq_len=1024), "data.transfer.num_tokens",
-     "eval_sequences + 1"),
+    (lambda c: c["transfer"].update(num_tokens=2048, seq_len=1024), "transfer.num_tokens",
+     "needs at least 8 (eval_sequences + one batch)"),
+    (lambda c: c["transfer"].update(seq_len=8192), "transfer.seq_len", "positions (4096)"),
+    (lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}), "variants[v].transfer.trainable",
+     "selects nothing"),
+    (lambda c: (c["variants"][0]["hybrid"].update(formulation="window"),
+                c["variants"][0].update(transfer={"trainable": "logits"})), "variants[v].transfer.trainable",
+     "window-only"),
+    (lambda c: c["variants"][0].update(lora={"objective": "distill"}, transfer={"num_tokens": 1024 * 9}),
+     "variants[v].transfer.num_tokens", "LoRA (objective distill)"),
+    (lambda c: c["base_lora"].update(objective="distill"), "base_lora.objective", "instruct"),
 ])
 def test_semantic_checks_name_the_key(mutate, key, needle):
     cfg = resolved(MINIMAL)
@@ -168,3 +180,39 @@ def test_stage_inputs():
     assert wf.stage_inputs("m", "base_lora", "base_lora")["adapter"] == path("adapter", model="m", variant="base_lora")
     with pytest.raises(ValueError, match="not evaluated under"):
         wf.stage_inputs("m", "v", "base")
+
+
+def test_variant_stages_and_the_files_they_need():
+    cfg = resolved(MINIMAL)
+    cfg["variants"] += [
+        {"name": "lc", "hybrid": {"layers": [0], "formulation": "lolcats", "feature_map": "hedgehog"},
+         "transfer": {"seq_len": 2048, "num_tokens": 65536}, "lora": {"objective": "distill"}},
+        {"name": "ctl", "hybrid": {"layers": [0], "formulation": "window"}, "stages": ["converted"]},
+    ]
+    wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
+    wf.check()
+    assert wf.variant_stages("v") == ["transfer", "transfer_lora"] and wf.variant_stages("ctl") == ["converted"]
+    assert ("ctl", "converted") in wf.eval_slots() and ("ctl", "transfer") not in wf.eval_slots()
+    assert wf.stage_inputs("m", "ctl", "converted") == {"weights": path("weights", model="m")}
+    assert wf.stage_hybrid("ctl", "converted")["formulation"] == "window"
+    assert wf.transfer_slots() == ["v", "lc"] == wf.throughput_variants() and wf.lora_slots() == ["v", "lc", "base_lora"]
+    # one corpus per distinct seq_len x num_tokens; distill trains on its variant's corpus
+    assert wf.corpus("lc") == {"seq_len": "2048", "num_tokens": "65536"}
+    assert wf.corpus_files("m") == ["resources/data/transfer/m/L1024_N1000000.safetensors",
+                                    "resources/data/transfer/m/L2048_N65536.safetensors"]
+    assert wf.lora_data("m", "lc") == wf.corpus_files("m")[1]
+    assert wf.lora_data("m", "v") == wf.lora_data("m", "base_lora") == path("instruct_data", model="m")
+    assert wf.corpus_settings("2048", "all")["num_tokens"] is None
+    assert "seq_len" not in wf.transfer_train("lc") and wf.transfer("lc")["seq_len"] == 2048
+    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "ctl", "cpu", "perplexity")] \
+        == ["base", "converted", "base_lora"]
+    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "lc", "cpu", "components")] \
+        == ["transfer", "transfer_lora"]
+
+
+def test_formulations_of_the_schema_are_the_ops():
+    from hybrid_llama.ops.reference import FORMULATIONS
+
+    hybrid = pipeline.load_schema()["$defs"]["hybrid"]["properties"]
+    assert tuple(hybrid["formulation"]["enum"]) == FORMULATIONS
+    assert tuple(pipeline.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES

@@ -330,7 +330,8 @@ def test_paired_difference_acc_norm():
 def _ppl_rows(transfer_long: float) -> list[dict]:
     base = {64: 3.0, 256: 2.8, 1024: 2.6}
     transfer = {64: 3.05, 256: 2.95, 1024: transfer_long}
-    return [{"stage": s, "context_len": L, "nll": v, "ppl": math.exp(v), "n_tokens": 640}
+    return [{"stage": s, "context_len": L, "nll": v, "ppl": math.exp(v), "n_tokens": 640,
+             "window_nlls": [v - 0.25, v + 0.25]}
             for s, d in (("base", base), ("transfer", transfer)) for L, v in d.items()]
 
 
@@ -362,7 +363,7 @@ def test_summary_follows_the_numbers():
 def test_csv_roundtrip(tmp_path):
     rows = _ppl_rows(2.9)
     p = Q.write_perplexity_csv([dict(r, extra=1) for r in rows], tmp_path / "q" / "perplexity.csv")
-    assert p.read_text().splitlines()[0] == "stage,context_len,nll,ppl,n_tokens"
+    assert p.read_text().splitlines()[0] == "stage,context_len,nll,ppl,n_tokens,window_nlls"
     assert Q.read_perplexity_csv(p) == rows
     k = Q.write_passkey_csv(_passkey_rows(0.1), tmp_path / "passkey.csv")
     assert k.read_text().splitlines()[0] == "stage,context_len,depth,accuracy,n"
@@ -378,3 +379,24 @@ def test_plots_write_nonempty_files(tmp_path):
         assert p.stat().st_size > 1000
     assert out[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and b"<svg" in out[1].read_bytes()[:500]
     assert "cpu" in out[3].read_text()  # device in the title
+
+
+def test_paired_nll_difference_by_hand():
+    rows = [
+        {"stage": "base", "context_len": 512, "nll": 2.0, "window_nlls": [1.0, 2.0, 3.0]},
+        {"stage": "hyb", "context_len": 512, "nll": 2.5, "window_nlls": [1.2, 2.6, 3.7]},
+    ]
+    d = Q.paired_nll_difference(rows, "hyb", "base", 512)
+    # differences 0.2, 0.6, 0.7: mean 0.5, sample sd sqrt(0.07), stderr sqrt(0.07 / 3)
+    assert d["diff"] == pytest.approx(0.5) and d["n_windows"] == 3
+    assert d["stderr"] == pytest.approx(math.sqrt(0.07 / 3))
+    assert Q.paired_nll_difference(rows, "hyb", "base", 64) is None
+
+
+def test_perplexity_window_nlls_average_to_the_nll(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir)
+    texts = ["The quick brown fox jumps over the lazy dog. " * 40]
+    rows = Q.perplexity_vs_context(model, tok, texts, context_lens=[32, 64], tail=8, max_windows=4, stage="base")
+    for r in rows:
+        assert len(r["window_nlls"]) == 4
+        assert sum(r["window_nlls"]) / 4 == pytest.approx(r["nll"], abs=1e-9)

@@ -9,6 +9,7 @@ dry-run output parsed below is the 9.x format.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import shutil
@@ -165,7 +166,7 @@ def test_schema_fills_defaults_for_a_minimal_config():
     assert cfg["base_lora"]["target"] == "all" and "r" not in cfg["base_lora"]  # overrides only
     assert cfg["transfer"]["trainable"] == "logits+qkvo"
     assert cfg["mmlu"]["shots"] == [0, 5] and cfg["mmlu"]["formats"] == ["mc", "cloze"]
-    assert cfg["data"]["transfer"]["num_tokens"] == 1_000_000 and cfg["data"]["instruct"]["source"] == "auto"
+    assert cfg["transfer"]["num_tokens"] == 1_000_000 and cfg["data"]["instruct"]["source"] == "auto"
     assert cfg["quality"]["passkey"]["depths"] == [0.1, 0.5, 0.9] and cfg["devices"] == ["cpu"]
     assert "transfer" not in cfg["variants"][0]  # a variant only holds what it overrides
 
@@ -195,6 +196,21 @@ BAD_CONFIGS = {
     "reserved_variant": (lambda c: c["variants"][0].update(name="base"), ["'name'", "should not be valid"]),
     "typo_key": (lambda c: c["transfer"].update(lrr=0.1), ["lrr", "Additional properties"]),
     "bad_device": (lambda c: c.update(devices=["gpu0"]), ["devices", "gpu0"]),
+    "unknown_feature_map": (lambda c: c["variants"][0]["hybrid"].update(feature_map="relu"),
+                            ["feature_map", "relu", "is not one of"]),
+    "trainable_selects_nothing": (
+        lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}),
+        ["'variants[w16].transfer.trainable'", "selects nothing", "elu1"],
+    ),
+    "seq_len_beyond_positions": (
+        lambda c: c["transfer"].update(seq_len=8192, num_tokens=8192 * 8),
+        ["'transfer.seq_len'", "8192", "positions (4096)"],
+    ),
+    "too_few_tokens_for_a_batch": (
+        lambda c: c["variants"][1]["transfer"].update(num_tokens=128 * 3),
+        ["'variants[lc16].transfer.num_tokens'", "3 rows", "needs at least"],
+    ),
+    "distill_control": (lambda c: c.update(base_lora={"objective": "distill"}), ["'base_lora.objective'", "instruct"]),
     "missing_local_data": (
         lambda c: c["data"]["transfer"].update(local="nowhere/none.jsonl"),
         ["'data.transfer.local'", "does not exist"],
@@ -219,35 +235,45 @@ def test_good_test_config_dry_run(wf_copy):
     assert out.returncode == 0, out.stdout + out.stderr
     jobs = planned_jobs(out.stdout)
     rules = sorted(r for r, _ in jobs)
-    # 4 stages x 2 formats x 1 shot MMLU jobs; base and base_lora evaluated once
-    assert rules.count("mmlu") == 8
-    assert rules.count("perplexity") == rules.count("passkey") == rules.count("generations") == 4
+    # base, base_lora once; w16 and lc16 at transfer and transfer_lora; the control win16 only converted
+    assert rules.count("mmlu") == 7  # one format (mc), one shot count
+    assert rules.count("perplexity") == rules.count("passkey") == rules.count("generations") == 7
+    assert rules.count("components") == 5  # hybrid stages only
+    assert rules.count("transfer") == rules.count("lora") == 2 and rules.count("transfer_data") == 2
     assert ("report", "results/report.html") in jobs
 
 
 # ------------------------------------------------------------------------------------------ whole DAG
 
-M, V, D = "tiny", "w16", "cpu"
+# The test config's model, device and variants: V has the seed recipe's shape, L is LoLCATs-shaped
+# (Hedgehog, LoRA distilled on its own corpus), C the window-only control (stage converted only).
+M, D = "tiny", "cpu"
+V, L, C = "w16", "lc16", "win16"
+SLOTS = {V: ("transfer", "transfer_lora"), L: ("transfer", "transfer_lora"), C: ("converted",)}
+ALL_SLOTS = [("base", "base"), ("base_lora", "base_lora")] + [(v, s) for v, st in SLOTS.items() for s in st]
 
 
-def _stage_jobs(slot: str, stage: str, fmts=("mc", "cloze"), shots=(0,)) -> set:
+def _stage_jobs(slot: str, stage: str, fmts=("mc",), shots=(0,)) -> set:
     jobs = {("mmlu", f"results/{M}/{slot}/mmlu/{D}/{stage}/{f}_{s}shot.json") for f in fmts for s in shots}
-    return jobs | {
+    jobs |= {
         ("perplexity", f"results/{M}/{slot}/quality/{D}/{stage}/perplexity.csv"),
         ("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv"),
         ("generations", f"results/{M}/{slot}/generations/{stage}.json"),
     }
+    if slot in SLOTS:
+        jobs.add(("components", f"results/{M}/{slot}/quality/{D}/{stage}/components.csv"))
+    return jobs
 
 
-DOWNSTREAM = {
-    ("quality_table", f"results/{M}/{V}/quality/{D}/perplexity.csv"),
-    ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
-    ("plot_quality", f"results/plots/{M}/{V}/nll_{D}.png"),
-    ("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"),
-    ("plot_mmlu", f"results/plots/{M}/mmlu_cloze.png"),
-    ("report", "results/report.html"),
-    ("all", None),
-}
+def _tables(variant: str, kinds=("perplexity", "passkey", "components")) -> set:
+    """A variant's quality tables and its plot job (the plot reads the perplexity and passkey tables)."""
+    jobs = {("quality_table", f"results/{M}/{variant}/quality/{D}/{k}.csv") for k in kinds}
+    if {"perplexity", "passkey"} & set(kinds):
+        jobs.add(("plot_quality", f"results/plots/{M}/{variant}/nll_{D}.png"))
+    return jobs
+
+
+REPORT = {("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"), ("report", "results/report.html"), ("all", None)}
 
 
 @pytest.fixture(scope="module")
@@ -281,19 +307,34 @@ def test_whole_dag_outputs(built):
     for rel in (
         f"results/{M}/{V}/transfer/hybrid_layers.safetensors",
         f"results/{M}/{V}/lora/adapter_model.safetensors",
+        f"results/{M}/{L}/lora/adapter_model.safetensors",
         f"results/{M}/base_lora/lora/adapter_model.safetensors",
         f"results/{M}/base/mmlu/{D}/base/mc_0shot.json",
-        f"results/{M}/{V}/mmlu/{D}/transfer_lora/cloze_0shot.json",
+        f"results/{M}/{V}/mmlu/{D}/transfer_lora/mc_0shot.json",
+        f"results/{M}/{C}/mmlu/{D}/converted/mc_0shot.json",
         f"results/{M}/{V}/quality/{D}/perplexity.csv",
         f"results/{M}/{V}/quality/{D}/passkey.csv",
+        f"results/{M}/{L}/quality/{D}/components.csv",
         f"results/{M}/throughput/{D}.csv",
-        "resources/data/transfer/tiny.json",
+        "resources/data/transfer/tiny/L64_N2048.json",
+        "resources/data/transfer/tiny/L128_N1024.json",
         "logs/benchmarks/report.tsv",
     ):
         assert (wf / rel).is_file(), rel
-    # the variant's quality tables hold every stage, base and control included
-    stages = {line.split(",")[0] for line in (wf / f"results/{M}/{V}/quality/{D}/perplexity.csv").read_text().splitlines()[1:]}
-    assert stages == {"base", "transfer", "transfer_lora", "base_lora"}
+    # each variant's quality tables hold its stages and the shared ones, base and control included
+    for variant, stages in SLOTS.items():
+        table = (wf / f"results/{M}/{variant}/quality/{D}/perplexity.csv").read_text().splitlines()[1:]
+        assert {line.split(",")[0] for line in table} == {"base", *stages, "base_lora"}
+    # the LoLCATs variant's LoRA distilled from the base model and trained its feature maps
+    lora = json.loads((wf / f"results/{M}/{L}/lora/metrics.json").read_text())
+    assert lora["objective"] == "distill" and lora["val_metric"] == "kl"
+    assert f"model.layers.2.self_attn.feature_map" in lora["modules_to_save"]
+    # the window-only control's share of the normalizer is the window's, entirely
+    shares = (wf / f"results/{M}/{C}/quality/{D}/components.csv").read_text().splitlines()[1:]
+    assert shares and all(float(line.split(",")[3]) == 1.0 for line in shares)
+    # throughput measures the trained variants, not the control
+    variants = {line.split(",")[0] for line in (wf / f"results/{M}/throughput/{D}.csv").read_text().splitlines()[1:]}
+    assert variants == {"base", f"{V}/hybrid_chunked", f"{L}/hybrid_chunked"}
 
 
 @pytest.mark.slow
@@ -309,10 +350,14 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
     cfg["lora"]["r"] = cfg["lora"]["r"] // 2
     expected = (
         {("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
+         ("lora", f"results/{M}/{L}/lora/adapter_model.safetensors"),
          ("base_lora", f"results/{M}/base_lora/lora/adapter_model.safetensors"),
          ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
+         ("plot_lora_loss", f"results/plots/{M}/{L}/lora_loss.png"),
          ("plot_lora_loss", f"results/plots/{M}/base_lora/lora_loss.png")}
-        | _stage_jobs(V, "transfer_lora") | _stage_jobs("base_lora", "base_lora") | DOWNSTREAM
+        | _stage_jobs(V, "transfer_lora") | _stage_jobs(L, "transfer_lora") | _stage_jobs("base_lora", "base_lora")
+        # every variant's perplexity and passkey tables hold the base_lora control's rows
+        | _tables(V) | _tables(L) | _tables(C, ("perplexity", "passkey")) | REPORT
     )
     assert _plan(wf, cfg, "lora_r") == expected
 
@@ -330,9 +375,25 @@ def test_window_change_reruns_transfer_onward(built):
          # throughput compares the variants' hybrid layouts, so it depends on the window too
          ("throughput", f"results/{M}/throughput/{D}.csv"),
          ("plot_throughput", f"results/plots/{M}/throughput_{D}.png")}
-        | _stage_jobs(V, "transfer") | _stage_jobs(V, "transfer_lora") | DOWNSTREAM
+        | _stage_jobs(V, "transfer") | _stage_jobs(V, "transfer_lora") | _tables(V) | REPORT
     )
     assert _plan(wf, cfg, "window") == expected
+
+
+@pytest.mark.slow
+def test_corpus_change_repacks_and_retrains_only_that_variant(built):
+    wf, cfg, _ = built
+    cfg = copy.deepcopy(cfg)
+    cfg["variants"][1]["transfer"]["num_tokens"] = 768
+    planned = _plan(wf, cfg, "corpus")
+    assert ("transfer_data", "resources/data/transfer/tiny/L128_N768.safetensors") in planned
+    assert {j for j in planned if j[0] in ("transfer", "lora", "base_lora")} == {
+        ("transfer", f"results/{M}/{L}/transfer/hybrid_layers.safetensors"),
+        ("lora", f"results/{M}/{L}/lora/adapter_model.safetensors"),
+    }
+    # the held-out text is the same, but perplexity and the diagnostic read every corpus' manifest
+    assert not any(j[1] and f"/{V}/" in j[1] and j[0] not in ("perplexity", "components", "quality_table",
+                                                              "plot_quality") for j in planned)
 
 
 @pytest.mark.slow
@@ -340,18 +401,8 @@ def test_adding_shots_adds_only_those_mmlu_jobs(built):
     wf, cfg, _ = built
     cfg = copy.deepcopy(cfg)
     cfg["mmlu"]["shots"] = cfg["mmlu"]["shots"] + [1]
-    new = {
-        ("mmlu", f"results/{M}/{slot}/mmlu/{D}/{stage}/{fmt}_1shot.json")
-        for slot, stage in (("base", "base"), ("base_lora", "base_lora"), (V, "transfer"), (V, "transfer_lora"))
-        for fmt in ("mc", "cloze")
-    }
-    expected = new | {
-        ("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"),
-        ("plot_mmlu", f"results/plots/{M}/mmlu_cloze.png"),
-        ("report", "results/report.html"),
-        ("all", None),
-    }
-    assert _plan(wf, cfg, "shots") == expected
+    new = {("mmlu", f"results/{M}/{slot}/mmlu/{D}/{stage}/mc_1shot.json") for slot, stage in ALL_SLOTS}
+    assert _plan(wf, cfg, "shots") == new | REPORT
 
 
 @pytest.mark.slow
@@ -361,14 +412,9 @@ def test_editing_a_script_reruns_that_rule(built):
     original, stat = script.read_text(), script.stat()
     try:
         script.write_text(original + "\n# edited\n")
-        expected = {("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv")
-                    for slot, stage in (("base", "base"), ("base_lora", "base_lora"), (V, "transfer"), (V, "transfer_lora"))}
-        expected |= {
-            ("quality_table", f"results/{M}/{V}/quality/{D}/passkey.csv"),
-            ("plot_quality", f"results/plots/{M}/{V}/nll_{D}.png"),
-            ("report", "results/report.html"),
-            ("all", None),
-        }
+        expected = {("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv") for slot, stage in ALL_SLOTS}
+        expected |= _tables(V, ("passkey",)) | _tables(L, ("passkey",)) | _tables(C, ("passkey",)) | {
+            ("report", "results/report.html"), ("all", None)}
         assert _plan(wf, cfg, "script") == expected
     finally:
         script.write_text(original)

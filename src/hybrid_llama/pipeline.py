@@ -32,23 +32,34 @@ from hybrid_llama.eval.mmlu import FORMATS as MMLU_FORMATS
 
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
 
-STAGES = ("base", "transfer", "transfer_lora", "base_lora")
+STAGES = ("base", "converted", "transfer", "transfer_lora", "base_lora")
 SHARED_STAGES = ("base", "base_lora")
+VARIANT_STAGES = ("converted", "transfer", "transfer_lora")
 STAGE_LABELS = {
     "base": "base",
+    "converted": "hybrid as converted (no training)",
     "transfer": "hybrid after transfer",
     "transfer_lora": "hybrid after transfer + LoRA",
     "base_lora": "base + LoRA (control)",
 }
-QUALITY_KINDS = ("perplexity", "passkey")
+# The files a stage's model is built from, besides the base weights.
+STAGE_ARTIFACTS = {
+    "base": (),
+    "converted": (),
+    "transfer": ("hybrid_layers",),
+    "transfer_lora": ("hybrid_layers", "adapter"),
+    "base_lora": ("adapter",),
+}
+QUALITY_KINDS = ("perplexity", "passkey", "components")
 
 # Every artifact of the workflow. {variant} is the result slot: a variant's name, or a shared
 # stage's name (base, base_lora) for results that do not depend on a variant.
 PATHS: dict[str, str] = {
     "weights": "resources/weights/{model}/config.json",
     "weight_hashes": "resources/weights/{model}/hashes.json",
-    "transfer_corpus": "resources/data/transfer/{model}.safetensors",
-    "transfer_manifest": "resources/data/transfer/{model}.json",
+    # One packed corpus per (seq_len, num_tokens) that a variant trains on; num_tokens "all" = no cap.
+    "transfer_corpus": "resources/data/transfer/{model}/L{seq_len}_N{num_tokens}.safetensors",
+    "transfer_manifest": "resources/data/transfer/{model}/L{seq_len}_N{num_tokens}.json",
     "instruct_data": "resources/data/instruct/{model}.safetensors",
     "instruct_manifest": "resources/data/instruct/{model}.json",
     "mmlu_manifest": "resources/data/mmlu/manifest.json",
@@ -88,6 +99,8 @@ WILDCARD_PATTERNS = {
     "fmt": "|".join(MMLU_FORMATS),
     "shots": r"\d+",
     "kind": r"[a-z_]+",
+    "seq_len": r"\d+",
+    "num_tokens": r"\d+|all",
     "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
     "key": r"[0-9a-f]+",
 }
@@ -258,7 +271,8 @@ class Pipeline:
         return canonical(spec)
 
     def data_settings(self, name: str) -> dict:
-        """The prepare_* keyword arguments of data set ``name`` (everything but where it comes from)."""
+        """The prepare_* keyword arguments of data set ``name`` (everything but where it comes from;
+        for the transfer corpus also without seq_len/num_tokens, which each variant sets)."""
         skip = {"source", "local", "hf", "text_column"}
         out = {k: v for k, v in self.config["data"][name].items() if k not in skip}
         if name == "transfer":
@@ -289,7 +303,23 @@ class Pipeline:
         return canonical(self.variants[variant]["hybrid"])
 
     def transfer(self, variant: str) -> dict:
+        """The variant's transfer section: top-level defaults with its overrides."""
         return canonical(deep_merge(self.config["transfer"], self.variants[variant].get("transfer")))
+
+    def transfer_train(self, variant: str) -> dict:
+        """What ``run_transfer`` gets: the transfer section without the corpus keys (the corpus is
+        its input file)."""
+        return {k: v for k, v in self.transfer(variant).items() if k not in ("seq_len", "num_tokens")}
+
+    def corpus(self, variant: str) -> dict[str, str]:
+        """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""
+        t = self.transfer(variant)
+        return {"seq_len": str(t["seq_len"]), "num_tokens": "all" if t["num_tokens"] is None else str(t["num_tokens"])}
+
+    def corpus_settings(self, seq_len: str, num_tokens: str) -> dict:
+        """``prepare_transfer_corpus`` settings of the corpus with these wildcards."""
+        return {**self.data_settings("transfer"), "seq_len": int(seq_len),
+                "num_tokens": None if num_tokens == "all" else int(num_tokens)}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings."""
@@ -297,12 +327,27 @@ class Pipeline:
             return canonical(deep_merge(self.config["lora"], self.config["base_lora"]))
         return canonical(deep_merge(self.config["lora"], self.variants[variant].get("lora")))
 
+    def variant_stages(self, variant: str) -> list[str]:
+        """The stages evaluated for a variant: its own 'stages', else the top-level variant stages."""
+        own = self.variants[variant].get("stages")
+        wanted = own if own is not None else [s for s in self.stages if s in VARIANT_STAGES]
+        return [s for s in VARIANT_STAGES if s in wanted]
+
+    def trained(self, variant: str, stage: str) -> bool:
+        return stage in self.variant_stages(variant) or (
+            stage == "transfer" and "transfer_lora" in self.variant_stages(variant))
+
     def section(self, *keys: str) -> Any:
         """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
         node = self.config
         for key in keys:
             node = node[key]
         return canonical(node)
+
+    def _key(self, variant: str, section: str, key: str) -> str:
+        """The config key a variant's setting comes from (its override, else the top-level one)."""
+        own = self.variants[variant].get(section) or {}
+        return f"variants[{variant}].{section}.{key}" if key in own else f"{section}.{key}"
 
     # ---- checks the schema cannot express (run at parse time, before any job)
 
@@ -347,17 +392,39 @@ class Pipeline:
             if missing:
                 raise ConfigError("mmlu.subjects", f"unknown subjects {missing} (no file in {test_dir})")
 
-        tcfg = self.config["data"]["transfer"]
-        if tcfg["num_tokens"] is not None:
-            rows = tcfg["num_tokens"] // tcfg["seq_len"]
-            for v in self.variants:
-                need = self.transfer(v)["eval_sequences"] + 1
-                if rows < need:
-                    raise ConfigError(
-                        "data.transfer.num_tokens",
-                        f"{tcfg['num_tokens']} tokens make {rows} rows of seq_len {tcfg['seq_len']}; "
-                        f"variant '{v}' needs at least {need} (eval_sequences + 1)",
-                    )
+        for v in self.variants:
+            self._check_training(v)
+
+    def _check_training(self, v: str) -> None:
+        hybrid, t, lora = self.hybrid(v), self.transfer(v), self.lora(v)
+        if self.trained(v, "transfer"):
+            parts = set(t["trainable"].split("+"))
+            if hybrid["feature_map"] == "elu1" and parts == {"feature_map"}:
+                raise ConfigError(self._key(v, "transfer", "trainable"),
+                                  f"'{t['trainable']}' selects nothing: variant '{v}' uses elu1, which has no parameters")
+            if hybrid["formulation"] == "window" and "qkvo" not in parts:
+                raise ConfigError(self._key(v, "transfer", "trainable"),
+                                  f"'{t['trainable']}' trains nothing a window-only layer ('formulation: window') uses")
+            for model in self.models:
+                positions = self.model_architecture(model).get("max_position_embeddings")
+                if positions is not None and t["seq_len"] > positions:
+                    raise ConfigError(self._key(v, "transfer", "seq_len"),
+                                      f"{t['seq_len']} tokens is longer than model '{model}' has positions ({positions})")
+            if t["num_tokens"] is not None:
+                rows = t["num_tokens"] // t["seq_len"]
+                need = {"transfer": t["eval_sequences"] + t["batch_size"]}
+                if self.trained(v, "transfer_lora") and lora["objective"] == "distill":
+                    need["LoRA (objective distill)"] = lora["eval_sequences"] + lora["batch_size"]
+                for what, n in need.items():
+                    if rows < n:
+                        raise ConfigError(
+                            self._key(v, "transfer", "num_tokens"),
+                            f"{t['num_tokens']} tokens make {rows} rows of seq_len {t['seq_len']}; {what} of variant "
+                            f"'{v}' needs at least {n} (eval_sequences + one batch)")
+        if self.trained(v, "transfer_lora") and lora["objective"] == "distill" and hybrid["formulation"] == "window":
+            raise ConfigError(self._key(v, "lora", "objective"), "a window-only variant has no hybrid layers to distill")
+        if "base_lora" in self.stages and self.lora("base_lora")["objective"] != "instruct":
+            raise ConfigError("base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')")
 
     @staticmethod
     def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int | None) -> None:
@@ -376,29 +443,50 @@ class Pipeline:
     def eval_slots(self) -> list[tuple[str, str]]:
         """(slot, stage) pairs to evaluate: shared stages once, variant stages per variant."""
         pairs = [(s, s) for s in self.stages if s in SHARED_STAGES]
-        return pairs + [(v, s) for v in self.variants for s in self.stages if s not in SHARED_STAGES]
+        return pairs + [(v, s) for v in self.variants for s in self.variant_stages(v)]
 
     def stage_inputs(self, model: str, slot: str, stage: str) -> dict[str, str]:
         """The files a stage's model is built from: weights (+ transfer layers) (+ LoRA adapter)."""
         if (slot in SHARED_STAGES) != (stage in SHARED_STAGES) or (slot in SHARED_STAGES and slot != stage):
             raise ValueError(f"stage '{stage}' is not evaluated under '{slot}'")
         files = {"weights": path("weights", model=model)}
-        if stage in ("transfer", "transfer_lora"):
-            files["layers"] = path("hybrid_layers", model=model, variant=slot)
-        if stage in ("transfer_lora", "base_lora"):
-            files["adapter"] = path("adapter", model=model, variant=slot)
+        names = {"hybrid_layers": "layers", "adapter": "adapter"}
+        files.update({names[a]: path(a, model=model, variant=slot) for a in STAGE_ARTIFACTS[stage]})
         return files
 
     def stage_hybrid(self, slot: str, stage: str) -> dict | None:
         """The hybrid settings of a stage's model (None for the plain model)."""
-        return self.hybrid(slot) if stage in ("transfer", "transfer_lora") else None
+        return self.hybrid(slot) if stage in VARIANT_STAGES else None
 
     def lora_slots(self) -> list[str]:
-        slots = list(self.variants) if "transfer_lora" in self.stages else []
+        slots = [v for v in self.variants if self.trained(v, "transfer_lora")]
         return slots + (["base_lora"] if "base_lora" in self.stages else [])
 
-    def trains_transfer(self) -> bool:
-        return bool({"transfer", "transfer_lora"} & set(self.stages))
+    def transfer_slots(self) -> list[str]:
+        return [v for v in self.variants if self.trained(v, "transfer")]
+
+    def throughput_variants(self) -> list[str]:
+        """The variants whose speed is measured: the trained ones (an untrained control only shows
+        quality), or every variant when none trains."""
+        return self.transfer_slots() or list(self.variants)
+
+    def corpus_files(self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus") -> list[str]:
+        """The transfer corpora of the trained variants (one per distinct seq_len/num_tokens); when no
+        variant trains, the top-level transfer section's corpus (perplexity reads its held-out split)."""
+        variants = self.transfer_slots() if variants is None else list(variants)
+        corpora = [self.corpus(v) for v in variants] or [self._default_corpus()]
+        unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
+        return [path(name, model=model, **dict(c)) for c in unique]
+
+    def _default_corpus(self) -> dict[str, str]:
+        t = self.config["transfer"]
+        return {"seq_len": str(t["seq_len"]), "num_tokens": "all" if t["num_tokens"] is None else str(t["num_tokens"])}
+
+    def lora_data(self, model: str, variant: str) -> str:
+        """The LoRA stage's data: instruction data, or the variant's transfer corpus (objective distill)."""
+        if variant != "base_lora" and self.lora(variant)["objective"] == "distill":
+            return path("transfer_corpus", model=model, **self.corpus(variant))
+        return path("instruct_data", model=model)
 
     # ---- targets
 
@@ -413,11 +501,13 @@ class Pipeline:
         ]
 
     def stage_quality_files(self, model: str, variant: str, device: str, kind: str) -> list[str]:
-        """Per-stage quality CSVs that make up one variant's table (shared stages included)."""
+        """Per-stage quality CSVs that make up one variant's table: every evaluated stage, shared ones
+        included, except for the component diagnostic (hybrid stages only)."""
+        shared = [] if kind == "components" else [s for s in self.stages if s in SHARED_STAGES]
         return [
             path("stage_quality", model=model, variant=s if s in SHARED_STAGES else variant, device=device,
                  stage=s, kind=kind)
-            for s in self.stages
+            for s in [*shared[:1], *self.variant_stages(variant), *shared[1:]]
         ]
 
     def report_inputs(self) -> dict[str, list[str]]:
@@ -426,8 +516,7 @@ class Pipeline:
         plots += [path(k, model=m, device=d) for m in m_ for d in d_ for k in ("plot_throughput", "plot_memory")]
         plots += [path(k, model=m, variant=v, device=d) for m in m_ for v in v_ for d in d_
                   for k in ("plot_nll", "plot_passkey")]
-        if self.trains_transfer():
-            plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in v_]
+        plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in self.transfer_slots()]
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {
             "mmlu": [f for m in m_ for f in self.mmlu_files(m)],
@@ -437,12 +526,14 @@ class Pipeline:
             "generations": [path("generations", model=m, variant=slot, stage=stage)
                             for m in m_ for slot, stage in self.eval_slots()],
             "plots": plots,
-            "transfer_metrics": [path("transfer_metrics", model=m, variant=v)
-                                 for m in m_ for v in v_ if self.trains_transfer()],
+            "transfer_metrics": [path("transfer_metrics", model=m, variant=v) for m in m_ for v in self.transfer_slots()],
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
-            "manifests": [path("transfer_manifest", model=m) for m in m_]
-            + [path("instruct_manifest", model=m) for m in m_ if self.lora_slots()],
+            "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
+            + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
+
+    def _uses_instruct(self) -> bool:
+        return any(s == "base_lora" or self.lora(s)["objective"] == "instruct" for s in self.lora_slots())
 
     def wildcard_constraints(self) -> dict[str, str]:
         alternatives = lambda names: "|".join(re.escape(n) for n in names)  # noqa: E731
@@ -453,4 +544,6 @@ class Pipeline:
             "device": WILDCARD_PATTERNS["device"],
             "fmt": alternatives(MMLU_FORMATS),
             "shots": WILDCARD_PATTERNS["shots"],
+            "seq_len": WILDCARD_PATTERNS["seq_len"],
+            "num_tokens": WILDCARD_PATTERNS["num_tokens"],
         }

@@ -3,6 +3,7 @@
 ``load_stage(model_dir, stage, ...)`` is what evaluation and the workflow call:
 
 - ``base``: the pretrained model as is;
+- ``converted``: base with the hybrid layers as converted, untrained (e.g. the window-only control);
 - ``transfer``: base + ``hybrid_layers.safetensors`` from attention transfer (needs ``hybrid``);
 - ``transfer_lora``: the transfer model + the LoRA adapter of ``run_finetune`` (needs ``adapter``);
 - ``base_lora``: base + a LoRA adapter trained on the plain model (the control).
@@ -15,6 +16,7 @@ every evaluator sees the same class. ``merge=False`` returns the ``peft.PeftMode
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -58,7 +60,7 @@ def load_stage(
     device: Any = None,
     merge: bool = True,
 ) -> tuple[nn.Module, Any]:
-    """(model, tokenizer) for ``stage`` in base | transfer | transfer_lora | base_lora (see module doc).
+    """(model, tokenizer) for ``stage`` in ``STAGES`` (see module doc).
 
     ``hybrid``: HybridConfig or dict (required for transfer stages); ``hybrid_layers``: the
     ``hybrid_layers.safetensors`` of ``run_transfer``; ``adapter``: the peft directory of
@@ -70,6 +72,9 @@ def load_stage(
     if stage in ("transfer", "transfer_lora"):
         if cfg is None or hybrid_layers is None:
             raise ValueError(f"stage {stage!r} needs hybrid= and hybrid_layers=")
+    elif stage == "converted":
+        if cfg is None or hybrid_layers is not None:
+            raise ValueError("stage 'converted' needs hybrid= and no hybrid_layers= (it is untrained)")
     elif hybrid_layers is not None or cfg is not None:
         raise ValueError(f"stage {stage!r} is a plain model: drop hybrid/hybrid_layers")
     if stage.endswith("_lora") and adapter is None:
@@ -80,9 +85,12 @@ def load_stage(
     # Adapters are applied in float32 so merging does not round twice; cast at the end.
     model, tok = load_base(model_dir, dtype=torch.float32)
     if cfg is not None:
-        from hybrid_llama.models import load_hybrid_layers
+        from hybrid_llama.models import convert_to_hybrid, load_hybrid_layers
 
-        load_hybrid_layers(model, hybrid_layers, cfg)
+        if hybrid_layers is None:
+            convert_to_hybrid(model, **asdict(cfg))
+        else:
+            load_hybrid_layers(model, hybrid_layers, cfg)
     if adapter is not None:
         from peft import PeftModel
 

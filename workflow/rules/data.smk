@@ -1,6 +1,7 @@
-# Data: the packed transfer corpus and the tokenized instruction data, per model (they depend on
-# the tokenizer), and MMLU from Hugging Face when there is no local mirror. These steps download,
-# so they run on the submitting host (localrules).
+# Data: the packed transfer corpora (one per model and per seq_len x num_tokens that a variant
+# trains on) and the tokenized instruction data, per model (they depend on the tokenizer), and MMLU
+# from Hugging Face when there is no local mirror. These steps download, so they run on the
+# submitting host (localrules).
 
 
 localrules:
@@ -17,14 +18,16 @@ rule transfer_data:
         tokens=path("transfer_corpus"),
         manifest=path("transfer_manifest"),
     log:
-        log_of("transfer_data/{model}"),
+        log_of("transfer_data/{model}/L{seq_len}_N{num_tokens}"),
     benchmark:
-        benchmark_of("transfer_data/{model}")
+        benchmark_of("transfer_data/{model}/L{seq_len}_N{num_tokens}")
     conda:
         "../../envs/train.yaml"
     params:
         source=P.data_source("transfer"),
-        settings=P.data_settings("transfer"),
+        settings=lambda wildcards: P.corpus_settings(
+            wildcards.seq_len, wildcards.num_tokens
+        ),
     script:
         "../scripts/transfer_data.py"
 

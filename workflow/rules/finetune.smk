@@ -1,11 +1,12 @@
-# LoRA finetune on instruction data: of each variant's transferred hybrid model, and of the base
-# model (the base_lora control, independent of the variants).
+# LoRA finetune of each variant's transferred hybrid model (on instruction data, or distilled from
+# the base model on the variant's transfer corpus), and of the base model on instruction data (the
+# base_lora control, independent of the variants).
 
 
 rule lora:
     input:
         weights=weights,
-        instruct=path("instruct_data"),
+        data=lambda wildcards: P.lora_data(wildcards.model, wildcards.variant),
         layers=path("hybrid_layers"),
     output:
         adapter=path("adapter"),
@@ -33,7 +34,7 @@ rule lora:
 rule base_lora:
     input:
         weights=weights,
-        instruct=path("instruct_data"),
+        data=path("instruct_data"),
     output:
         adapter=path("adapter", variant="base_lora"),
         adapter_config=path("adapter_config", variant="base_lora"),

@@ -1,11 +1,16 @@
 # Quality vs context length: perplexity on held-out transfer-corpus text and passkey retrieval,
-# one job per stage (base and base_lora once), then one table per variant holding every stage.
+# one job per stage (base and base_lora once), and the component diagnostic of every hybrid stage
+# (how the output's normalizer splits between the window and the linear part); then one table per
+# variant and kind holding every stage.
 
 
 rule perplexity:
     input:
         unpack(stage_inputs),
-        manifest=path("transfer_manifest"),
+        # the corpora training used: their documents never count as held out
+        manifests=lambda wildcards: P.corpus_files(
+            wildcards.model, name="transfer_manifest"
+        ),
     output:
         path("stage_quality", kind="perplexity"),
     log:
@@ -48,6 +53,34 @@ rule passkey:
         "../scripts/passkey.py"
 
 
+rule components:
+    input:
+        unpack(stage_inputs),
+        manifests=lambda wildcards: P.corpus_files(
+            wildcards.model, name="transfer_manifest"
+        ),
+    output:
+        path("stage_quality", kind="components"),
+    log:
+        log_of("components/{model}/{variant}/{device}/{stage}"),
+    benchmark:
+        benchmark_of("components/{model}/{variant}/{device}/{stage}")
+    wildcard_constraints:
+        variant="|".join(VARIANTS),
+    conda:
+        "../../envs/eval.yaml"
+    threads: config["threads"]["eval"]
+    resources:
+        gpu=gpu_of_device,
+    params:
+        hybrid=stage_hybrid,
+        source=P.data_source("transfer"),
+        components=P.section("quality", "components"),
+        dtype=config["quality"]["dtype"],
+    script:
+        "../scripts/components.py"
+
+
 rule quality_table:
     input:
         lambda wildcards: P.stage_quality_files(
@@ -61,7 +94,7 @@ rule quality_table:
         benchmark_of("quality_table/{model}/{variant}/{device}/{kind}")
     wildcard_constraints:
         variant="|".join(VARIANTS),
-        kind="perplexity|passkey",
+        kind="perplexity|passkey|components",
     conda:
         "../../envs/report.yaml"
     script:

@@ -1,6 +1,6 @@
-# Throughput and memory vs prompt length: the base model (SDPA) against every variant's hybrid
-# layout with each backend. Speed does not depend on trained weights, so this needs only the
-# base weights and the variants' hybrid settings.
+# Throughput and memory vs prompt length: the base model (SDPA) against every trained variant's
+# hybrid layout with each backend that implements it. Speed does not depend on trained weights, so
+# this needs only the base weights and the variants' hybrid settings.
 
 
 rule throughput:
@@ -18,7 +18,7 @@ rule throughput:
     resources:
         gpu=gpu_of_device,
     params:
-        hybrids={v: P.hybrid(v) for v in VARIANTS},
+        hybrids={v: P.hybrid(v) for v in P.throughput_variants()},
         throughput=P.section("throughput"),
     script:
         "../scripts/throughput.py"

@@ -5,7 +5,9 @@
 rule transfer:
     input:
         weights=weights,
-        tokens=path("transfer_corpus"),
+        tokens=lambda wildcards: path(
+            "transfer_corpus", model=wildcards.model, **P.corpus(wildcards.variant)
+        ),
     output:
         layers=path("hybrid_layers"),
         metrics=path("transfer_metrics"),
@@ -23,6 +25,6 @@ rule transfer:
         gpu=lambda wildcards: int(is_cuda(P.transfer(wildcards.variant)["device"])),
     params:
         hybrid=lambda wildcards: P.hybrid(wildcards.variant),
-        train=lambda wildcards: P.transfer(wildcards.variant),
+        train=lambda wildcards: P.transfer_train(wildcards.variant),
     script:
         "../scripts/transfer.py"

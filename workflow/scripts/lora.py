@@ -20,7 +20,7 @@ lora["device"] = require_device(lora["device"])
 lora["checkpoint_dir"] = ckpt
 metrics = run_finetune(
     model_dir(snakemake),
-    snakemake.input.instruct,
+    snakemake.input.data,
     lora,
     Path(snakemake.output.adapter).parent,
     hybrid=dict(hybrid) if hybrid else None,

@@ -9,7 +9,7 @@ from hybrid_llama.eval.quality import heldout_texts, perplexity_vs_context, writ
 w, cfg = snakemake.wildcards, snakemake.params.perplexity
 model, tokenizer, _, device = stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
 texts = heldout_texts(
-    dict(snakemake.params.source), n_docs=cfg["n_docs"], exclude_manifest=snakemake.input.manifest
+    dict(snakemake.params.source), n_docs=cfg["n_docs"], exclude_manifest=list(snakemake.input.manifests)
 )
 rows = perplexity_vs_context(
     model,

@@ -26,7 +26,7 @@ import torch
 from hybrid_llama import data
 from hybrid_llama.runtime import resolve_dtype
 
-PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens")
+PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls")
 PASSKEY_COLUMNS = ("stage", "context_len", "depth", "accuracy", "n")
 
 
@@ -47,7 +47,7 @@ def heldout_texts(
     *,
     n_docs: int | None = None,
     seed: int | None = None,
-    exclude_manifest: str | Path | dict | None = None,
+    exclude_manifest: str | Path | dict | list | None = None,
     heldout_fraction: float | None = None,
 ) -> list[str]:
     """Held-out documents of the transfer corpus that training never saw, in corpus order.
@@ -61,10 +61,11 @@ def heldout_texts(
     Duplicated texts are kept once. `n_docs`: the first n.
     """
     spec = dict(source) if isinstance(source, dict) else {"kind": "local", "path": str(source)}
-    manifest = exclude_manifest
-    if manifest is not None and not isinstance(manifest, dict):
-        manifest = data.read_manifest(manifest)  # the packed .safetensors or its .json
-    train = _train_hashes(manifest) if manifest is not None else set()
+    given = exclude_manifest if isinstance(exclude_manifest, (list, tuple)) else [exclude_manifest]
+    # the packed .safetensors or its .json; several corpora of one source share fraction and seed
+    manifests = [m if isinstance(m, dict) else data.read_manifest(m) for m in given if m is not None]
+    manifest = manifests[0] if manifests else None
+    train = set().union(*map(_train_hashes, manifests))
     if heldout_fraction is None:
         heldout_fraction = float(manifest.get("heldout_fraction", 0.0)) if manifest else 0.0
     if seed is None:
@@ -181,7 +182,7 @@ def perplexity_vs_context(
     Lengths above the model's max_position_embeddings or the stream are skipped. At L <= tail only
     the last L-1 tokens can be scored (a window's first token has no context); n_tokens counts
     the scored tokens. The model is moved only if device/dtype are given.
-    Rows: {stage, context_len, nll, ppl, n_tokens}.
+    Rows: {stage, context_len, nll, ppl, n_tokens, window_nlls (each window's mean NLL)}.
     """
     dev = _place(model, device, dtype)
     stream = token_stream(tokenizer, texts)
@@ -194,14 +195,15 @@ def perplexity_vs_context(
     try:
         for L, spans in windows.items():
             t = min(tail, L - 1)
-            total, count = 0.0, 0
+            per_window: list[float] = []
             for i in range(0, len(spans), batch_size):
                 batch = torch.stack([ids[a:b] for a, b in spans[i : i + batch_size]]).to(dev)
-                nll = window_nll(model, batch, t)
-                total += nll.double().sum().item()
-                count += nll.numel()
-            mean = total / count
-            rows.append({"stage": stage, "context_len": L, "nll": mean, "ppl": math.exp(mean), "n_tokens": count})
+                per_window += window_nll(model, batch, t).double().mean(dim=1).tolist()
+            mean = sum(per_window) / len(per_window)  # every window scores t tokens
+            rows.append({"stage": stage, "context_len": L, "nll": mean, "ppl": math.exp(mean),
+                         "n_tokens": t * len(per_window),
+                         # windows are the independent units of a paired comparison (paired_nll_difference)
+                         "window_nlls": per_window})
     finally:
         model.train(was_training)
     return rows
@@ -448,35 +450,57 @@ def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") ->
 # --------------------------------------------------------------------------- CSV
 
 
-def _write(rows: Iterable[dict], path: str | Path, columns: Sequence[str]) -> Path:
+def write_rows(rows: Iterable[dict], path: str | Path, columns: Sequence[str]) -> Path:
+    """A CSV of ``rows`` with exactly ``columns`` (the result tables of the quality metrics)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         for row in rows:
-            w.writerow({c: row[c] for c in columns})
+            # lists (a perplexity row's per-window NLLs) become one space-separated cell
+            w.writerow({c: " ".join(f"{x:.6g}" for x in row[c]) if isinstance(row[c], list) else row[c]
+                        for c in columns})
     return path
 
 
-def _read(path: str | Path, types: dict[str, type]) -> list[dict]:
+def read_rows(path: str | Path, types: dict[str, type]) -> list[dict]:
+    """The rows of a result CSV, each column converted by ``types`` (default str)."""
     with Path(path).open(newline="", encoding="utf-8") as f:
         return [{k: types.get(k, str)(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def write_perplexity_csv(rows: Iterable[dict], path: str | Path) -> Path:
     """perplexity.csv: stage,context_len,nll,ppl,n_tokens"""
-    return _write(rows, path, PERPLEXITY_COLUMNS)
+    return write_rows(rows, path, PERPLEXITY_COLUMNS)
 
 
 def write_passkey_csv(rows: Iterable[dict], path: str | Path) -> Path:
     """passkey.csv: stage,context_len,depth,accuracy,n"""
-    return _write(rows, path, PASSKEY_COLUMNS)
+    return write_rows(rows, path, PASSKEY_COLUMNS)
 
 
 def read_perplexity_csv(path: str | Path) -> list[dict]:
-    return _read(path, {"context_len": int, "nll": float, "ppl": float, "n_tokens": int})
+    return read_rows(path, {"context_len": int, "nll": float, "ppl": float, "n_tokens": int,
+                            "window_nlls": lambda text: [float(x) for x in text.split()]})
+
+
+def paired_nll_difference(rows: list[dict], stage_a: str, stage_b: str, context_len: int) -> dict | None:
+    """NLL of ``stage_a`` minus ``stage_b`` at ``context_len`` (perplexity rows of both), with the
+    standard error of the mean paired difference over windows: both stages score the same tokens of
+    the same windows, so the paired error is the honest (and much smaller) one. None if either is
+    missing; ``stderr`` is NaN with fewer than two windows."""
+    by = {(r["stage"], int(r["context_len"])): r for r in rows}
+    a, b = by.get((stage_a, context_len)), by.get((stage_b, context_len))
+    if a is None or b is None:
+        return None
+    wa, wb = a.get("window_nlls") or [], b.get("window_nlls") or []
+    diff = float(a["nll"]) - float(b["nll"])
+    if len(wa) != len(wb) or len(wa) < 2:
+        return {"diff": diff, "stderr": float("nan"), "n_windows": len(wa)}
+    mean_d, sd_d = _mean_sd([x - y for x, y in zip(wa, wb)])
+    return {"diff": diff, "stderr": sd_d / math.sqrt(len(wa)), "n_windows": len(wa)}
 
 
 def read_passkey_csv(path: str | Path) -> list[dict]:
-    return _read(path, {"context_len": int, "depth": float, "accuracy": float, "n": int})
+    return read_rows(path, {"context_len": int, "depth": float, "accuracy": float, "n": int})

@@ -39,7 +39,8 @@ from hybrid_llama.runtime import device_name, resolve_dtype
 log = logging.getLogger(__name__)
 
 COLUMNS = [
-    "variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "time_s",
+    "variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "time_s", "time_s_min",
+    "time_s_max",
     "peak_mem_bytes", "cache_bytes", "mem_method", "device", "device_name", "dtype", "repeats",
     "decode_tokens", "status", "error",
 ]
@@ -199,6 +200,9 @@ def _measure_length(model, seq_len: int, *, batch: int, decode_tokens: int, repe
             "tokens_per_s": batch * n_tok / t if t > 0 else float("nan"),
             "s_per_token": t / n_tok,
             "time_s": t,
+            # the spread of the timed repeats: how far a single median can be trusted
+            "time_s_min": min(times[phase]),
+            "time_s_max": max(times[phase]),
             "peak_mem_bytes": peaks[phase],
             "cache_bytes": cache_bytes,
         }
@@ -248,6 +252,8 @@ def measure_throughput(
                 "tokens_per_s": v.get("tokens_per_s", float("nan")),
                 "s_per_token": v.get("s_per_token", float("nan")),
                 "time_s": v.get("time_s", float("nan")),
+                "time_s_min": v.get("time_s_min", float("nan")),
+                "time_s_max": v.get("time_s_max", float("nan")),
                 "peak_mem_bytes": v.get("peak_mem_bytes", float("nan")),
                 "cache_bytes": v.get("cache_bytes", float("nan")),
                 "mem_method": mem.method, "device": str(dev), "device_name": dname,
@@ -366,6 +372,9 @@ def build_throughput_variants(
             continue
         if b == "seed_naive" and not seed_naive_available():
             log.warning("throughput: no seed_naive variant (hybrid_llama.ops does not accept backend='seed_naive')")
+            continue
+        if b == "seed_naive" and (cfg.get("formulation", "hybrid"), cfg.get("feature_map", "elu1")) != ("hybrid", "elu1"):
+            log.info("throughput: seed_naive implements only the recreation's formulation (hybrid, elu1)")
             continue
         out[f"hybrid_{b}"] = hybrid(b)
     return out

@@ -246,8 +246,21 @@ class HybridLlamaAttention(LlamaAttention):
             hybrid.feature_map, self.num_heads, self.head_dim, config.num_key_value_heads
         )
 
-    def _op_feature_map(self):
-        # elu1 goes by name so backends can use their fused path; learnable maps go as modules.
+    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """q ``[B, H, T, D]`` and k, v ``[B, H_kv, T, D]`` of the layer's input, RoPE applied to q, k.
+        k/v stay at the KV heads (GQA): the kernels index them, and the decode state (window
+        buffers, S, z) is kept once per KV head instead of once per query head."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def op_feature_map(self):
+        """The layer's feature map as the ops take it: "elu1" by name (so backends can use their
+        fused path), learnable maps as a (query_map, key_map) pair of modules."""
         return "elu1" if isinstance(self.feature_map, Elu1FeatureMap) else self.feature_map.op_feature_map
 
     def forward(
@@ -259,18 +272,11 @@ class HybridLlamaAttention(LlamaAttention):
         **kwargs,
     ) -> tuple[Tensor, None]:
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # k/v stay at the KV heads (GQA): the kernels index them, and the decode state (window
-        # buffers, S, z) is kept once per KV head instead of once per query head.
+        q, k, v = self.project(hidden_states, position_embeddings)
 
         q_len = q.shape[2]
         valid = keys_valid_from_mask(attention_mask, q_len)
-        fmap = self._op_feature_map()
+        fmap = self.op_feature_map()
         cfg = self.hybrid
         wl, ll = self.mixing.window_logit, self.mixing.linear_logit
         slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None

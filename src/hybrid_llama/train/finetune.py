@@ -1,9 +1,17 @@
-"""LoRA finetuning of a (hybrid) model on instruction data, with peft.
+"""LoRA finetuning of a (hybrid) model, with peft.
 
 LoRA goes on q/k/v/o of the hybrid layers (``target: hybrid``) or of every layer (``target: all``);
-the hybrid layers' mixing logits train too and are saved in the adapter through peft's
-``modules_to_save`` (they live in the ``mixing`` submodule). With ``hybrid=None`` this trains the
-"base + LoRA" control on the plain model.
+the hybrid layers' mixing logits and learnable feature maps train too and are saved in the adapter
+through peft's ``modules_to_save`` (the ``mixing`` and ``feature_map`` submodules). With
+``hybrid=None`` this trains the "base + LoRA" control on the plain model.
+
+Two objectives:
+- ``instruct``: next-token cross-entropy on the responses of instruction data (Dolly), as the
+  published recreation finetunes;
+- ``distill``: the KL divergence from the frozen base model's next-token distribution to the
+  hybrid model's, on rows of the transfer corpus. Where attention transfer matches each layer on
+  its own, this trains the layers together on what the model outputs, which is what held-out
+  perplexity measures.
 
 ``python -m hybrid_llama.train.finetune --help`` runs it from the command line.
 """
@@ -21,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_llama.data import IGNORE_INDEX, load_instruct
+from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.common import (
     stage_defaults,
@@ -44,8 +52,11 @@ FINETUNE_DEFAULTS: dict[str, Any] = stage_defaults("lora")
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def lora_targets(num_layers: int, lora: dict, hybrid_layers: list[int] | None) -> tuple[list[str], list[str]]:
-    """(target_modules, modules_to_save) as explicit full module names of a ``LlamaForCausalLM``."""
+def lora_targets(
+    num_layers: int, lora: dict, hybrid_layers: list[int] | None, feature_maps: bool = False
+) -> tuple[list[str], list[str]]:
+    """(target_modules, modules_to_save) as explicit full module names of a ``LlamaForCausalLM``.
+    ``feature_maps``: the hybrid layers' feature maps have parameters (Hedgehog) and train too."""
     if lora["target"] not in ("hybrid", "all"):
         raise ValueError(f"lora.target must be 'hybrid' or 'all', got {lora['target']!r}")
     if lora["layers"] is not None:
@@ -58,7 +69,8 @@ def lora_targets(num_layers: int, lora: dict, hybrid_layers: list[int] | None) -
     if bad:
         raise ValueError(f"lora layers {bad} out of range: the model has {num_layers} layers")
     targets = [f"model.layers.{i}.self_attn.{p}" for i in layers for p in PROJ]
-    save = [f"model.layers.{i}.self_attn.mixing" for i in (hybrid_layers or [])]
+    parts = ("mixing", "feature_map") if feature_maps else ("mixing",)
+    save = [f"model.layers.{i}.self_attn.{part}" for i in (hybrid_layers or []) for part in parts]
     return targets, save
 
 
@@ -70,30 +82,80 @@ def _trim(batch: dict[str, torch.Tensor], max_length: int | None) -> dict[str, t
     return {k: v[:, :width] for k, v in batch.items()}
 
 
-def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token NLL over label tokens, and their count."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    nll = F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
-    return nll, int((labels != IGNORE_INDEX).sum())
+class InstructObjective:
+    """Next-token cross-entropy on the response tokens of instruction data (``prepare_instruct_data``)."""
+
+    metric = "nll"
+
+    def __init__(self, path: str | os.PathLike, cfg: dict) -> None:
+        self.train = load_instruct(path, "train")
+        self.val = load_instruct(path, "val")
+        if cfg["max_val_examples"] is not None:
+            self.val = {k: v[: int(cfg["max_val_examples"])] for k, v in self.val.items()}
+        self.max_length = cfg["max_length"]
+
+    def rows(self, split: str) -> int:
+        return len((self.train if split == "train" else self.val)["input_ids"])
+
+    def batch(self, split: str, idx, device) -> dict[str, torch.Tensor]:
+        data = self.train if split == "train" else self.val
+        return _trim({k: v[idx].to(device) for k, v in data.items()}, self.max_length)
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Summed next-token NLL over label tokens, and their count."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        nll = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+        return nll, int((labels != IGNORE_INDEX).sum())
+
+
+class DistillObjective:
+    """KL(teacher || student) of the next-token distributions, summed over every position of packed
+    transfer-corpus rows; the last ``eval_sequences`` rows are held out for validation."""
+
+    metric = "kl"
+
+    def __init__(self, path: str | os.PathLike, cfg: dict, teacher: nn.Module) -> None:
+        rows = load_packed(path)
+        k = int(cfg["eval_sequences"])
+        if not 1 <= k < len(rows):
+            raise ValueError(f"{path}: {len(rows)} rows, need 1 <= lora.eval_sequences={k} < rows")
+        self.train, self.val = rows[:-k], rows[-k:]
+        self.teacher = teacher
+
+    def rows(self, split: str) -> int:
+        return len(self.train if split == "train" else self.val)
+
+    def batch(self, split: str, idx, device) -> dict[str, torch.Tensor]:
+        ids = (self.train if split == "train" else self.val)[idx].to(device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        with torch.no_grad():
+            target = torch.log_softmax(self.teacher(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+        logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+        kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
+        return kl, batch["input_ids"].numel()
+
+
+Objective = InstructObjective | DistillObjective
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, data: dict[str, torch.Tensor], batch_size: int, device, amp: bool,
-                    max_length: int | None = None) -> float:
-    """Mean NLL per label token over the whole split (token-weighted, not batch-weighted)."""
+def validation_loss(model: nn.Module, objective: Objective, batch_size: int, device, amp: bool) -> float:
+    """The objective per token over the whole validation split (token-weighted, not batch-weighted)."""
     was = model.training
     model.eval()
     total, count = 0.0, 0
-    n = len(data["input_ids"])
+    n = objective.rows("val")
     for s in range(0, n, batch_size):
-        batch = _trim({k: v[s : s + batch_size].to(device) for k, v in data.items()}, max_length)
+        batch = objective.batch("val", slice(s, s + batch_size), device)
         with autocast(device, amp):
-            nll, c = _token_nll(model, batch)
-        total += float(nll)
+            loss, c = objective.loss_sum(model, batch)
+        total += float(loss)
         count += c
     model.train(was)
     return total / max(1, count)
@@ -125,7 +187,7 @@ def _locate_nonfinite(model: nn.Module, batch: dict[str, torch.Tensor], step: in
 
 def run_finetune(
     model_dir: str | os.PathLike,
-    instruct_path: str | os.PathLike,
+    data_path: str | os.PathLike,
     lora: dict | None,
     out_dir: str | os.PathLike,
     *,
@@ -133,7 +195,11 @@ def run_finetune(
     hybrid_layers: str | os.PathLike | None = None,
     callback=None,
 ) -> dict:
-    """LoRA-finetune the base (``hybrid=None``) or hybrid model on ``instruct_path``; returns metrics.
+    """LoRA-finetune the base (``hybrid=None``) or hybrid model; returns the metrics dict.
+
+    ``data_path``: instruction data (``prepare_instruct_data``) for objective "instruct", packed
+    transfer-corpus rows (``prepare_transfer_corpus``) for "distill" (whose teacher is the model in
+    ``model_dir``).
 
     ``hybrid`` (HybridConfig | dict) with ``hybrid_layers`` (``run_transfer``'s safetensors) builds the
     transferred model; ``hybrid`` without ``hybrid_layers`` converts without transfer.
@@ -144,8 +210,8 @@ def run_finetune(
     hybrid is None).
 
     Writes a peft adapter (``adapter_config.json``, ``adapter_model.safetensors``), ``loss.csv``
-    (step,split,loss with split train|val; val at step 0 = before training and after each epoch)
-    and ``metrics.json`` into ``out_dir``.
+    (step,split,loss with split train|val; val at step 0 = before training and after each epoch;
+    the loss is per token: NLL for instruct, KL for distill) and ``metrics.json`` into ``out_dir``.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -173,7 +239,8 @@ def run_finetune(
 
             convert_to_hybrid(model, **asdict(hcfg))
     n_layers = len(model.model.layers)
-    targets, save = lora_targets(n_layers, cfg, hcfg.layers if hcfg else None)
+    has_fmaps = hcfg is not None and hcfg.feature_map != "elu1"
+    targets, save = lora_targets(n_layers, cfg, hcfg.layers if hcfg else None, feature_maps=has_fmaps)
     peft_cfg = LoraConfig(
         r=int(cfg["r"]), lora_alpha=cfg["alpha"], lora_dropout=cfg["dropout"], target_modules=targets,
         modules_to_save=save or None, task_type="CAUSAL_LM", bias="none",
@@ -182,16 +249,19 @@ def run_finetune(
     model.train()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
-    train_data = load_instruct(instruct_path, "train")
-    val_data = load_instruct(instruct_path, "val")
-    if cfg["max_val_examples"] is not None:
-        val_data = {k: v[: int(cfg["max_val_examples"])] for k, v in val_data.items()}
-    bs, max_len = int(cfg["batch_size"]), cfg["max_length"]
-    n_rows = len(train_data["input_ids"])
+    if cfg["objective"] == "distill":
+        if hcfg is None:
+            raise ValueError("lora.objective 'distill' trains a hybrid model towards its base model: give hybrid=")
+        teacher, _ = load_base(model_dir, dtype=cfg["dtype"], device=device)
+        objective: Objective = DistillObjective(data_path, cfg, teacher.requires_grad_(False))
+    else:
+        objective = InstructObjective(data_path, cfg)
+    bs = int(cfg["batch_size"])
+    n_rows = objective.rows("train")
     n_micro = -(-n_rows // bs)
 
     def val() -> float:
-        return validation_loss(model, val_data, bs, device, amp, max_len)
+        return validation_loss(model, objective, bs, device, amp)
 
     val_before = val()
     state: dict[str, Any] = {"val_per_epoch": []}
@@ -202,11 +272,10 @@ def run_finetune(
         if epoch not in orders:
             orders.clear()
             orders[epoch] = batch_order(n_rows, epoch, int(cfg["seed"]))
-        idx = orders[epoch][m * bs : (m + 1) * bs]
-        batch = _trim({k: v[idx].to(device) for k, v in train_data.items()}, max_len)
+        batch = objective.batch("train", orders[epoch][m * bs : (m + 1) * bs], device)
         with autocast(device, amp):
-            nll, count = _token_nll(model, batch)
-        loss = nll / max(1, count)
+            total, count = objective.loss_sum(model, batch)
+        loss = total / max(1, count)
         if not bool(torch.isfinite(loss.detach())):
             raise _locate_nonfinite(model, batch, step + 1)
         return loss, {"loss": float(loss.detach())}, int(batch["attention_mask"].sum())
@@ -250,8 +319,10 @@ def run_finetune(
         "tokens_per_s": result["tokens"] / max(1e-9, result["elapsed_s"]),
         "steps": result["steps"],
         "resumed_from_step": result["start_step"],
+        "objective": cfg["objective"],
+        "val_metric": objective.metric,
         "num_train": n_rows,
-        "num_val": len(val_data["input_ids"]),
+        "num_val": objective.rows("val"),
         "target_modules": targets,
         "modules_to_save": save,
         "num_trainable_params": sum(p.numel() for _, p in named),
@@ -267,14 +338,15 @@ def run_finetune(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid_llama.train.finetune", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--instruct", required=True, help="instruction safetensors from hybrid_llama.data")
+    ap.add_argument("--data", required=True,
+                    help="instruction data (objective instruct) or packed transfer rows (distill) from hybrid_llama.data")
     add_hybrid_arguments(ap, layers_help="comma-separated hybrid layers (omit for the base+LoRA control)",
                          layers_required=False)
     ap.add_argument("--hybrid-layers", default=None, help="hybrid_layers.safetensors from the transfer stage")
     ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (config/schema.yaml: lora)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    m = run_finetune(a.model_dir, a.instruct, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a),
+    m = run_finetune(a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a),
                      hybrid_layers=a.hybrid_layers)
     print(json.dumps({k: m[k] for k in ("val_loss_before", "val_loss_after", "wall_time_s", "tokens_per_s")}, indent=1))
 

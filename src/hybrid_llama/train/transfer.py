@@ -38,11 +38,17 @@ from hybrid_llama.train.common import (
     seed_everything,
 )
 
-__all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_CHOICES", "layer_mse"]
+__all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_PARTS", "layer_mse"]
 
+# Keys of the schema's transfer section that describe the corpus the workflow packs (its rows are
+# what packed_path holds), not how run_transfer trains.
+CORPUS_KEYS = ("seq_len", "num_tokens")
 # The schema's transfer section (config/schema.yaml) plus where the held-out rows come from.
-TRANSFER_DEFAULTS: dict[str, Any] = {**stage_defaults("transfer"), "eval_path": None}
-TRAINABLE_CHOICES = ("auto", "logits", "logits+feature_map", "logits+qkvo", "logits+feature_map+qkvo")
+TRANSFER_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in stage_defaults("transfer").items() if k not in CORPUS_KEYS},
+    "eval_path": None,
+}
+TRAINABLE_PARTS = ("logits", "feature_map", "qkvo")
 QKVO = ("q_proj.", "k_proj.", "v_proj.", "o_proj.")
 
 
@@ -110,12 +116,9 @@ def _student_out(student: nn.Module, inp: dict[str, Any]) -> torch.Tensor:
 
 
 def _select_trainable(students: nn.ModuleDict, trainable: str) -> list[tuple[str, nn.Parameter]]:
-    if trainable not in TRAINABLE_CHOICES:
-        raise ValueError(f"train.trainable must be one of {TRAINABLE_CHOICES}, got {trainable!r}")
-    if trainable == "auto":
-        has_fmap = any(True for s in students.values() for _ in s.feature_map.parameters())
-        trainable = "logits+feature_map+qkvo" if has_fmap else "logits+qkvo"
     parts = set(trainable.split("+"))
+    if not parts or not parts <= set(TRAINABLE_PARTS):
+        raise ValueError(f"train.trainable must join some of {TRAINABLE_PARTS} with '+', got {trainable!r}")
     named = []
     for i, s in students.items():
         for n, p in s.named_parameters():
@@ -128,7 +131,7 @@ def _select_trainable(students: nn.ModuleDict, trainable: str) -> list[tuple[str
             if on:
                 named.append((f"model.layers.{i}.self_attn.{n}", p))
     if not named:
-        raise ValueError(f"train.trainable={trainable!r} selects no parameters (elu1 has no feature-map params)")
+        raise ValueError(f"train.trainable={trainable!r} selects no parameters (elu1 has no feature-map parameters)")
     return named
 
 

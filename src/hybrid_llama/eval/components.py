@@ -1,0 +1,93 @@
+"""Component diagnostic: how much of each hybrid layer's output comes from the softmax window.
+
+A hybrid layer's output is ``share * (window average) + (1 - share) * (linear readout)``, where
+``share`` is the window's part of the shared normalizer (``hybrid_llama.ops.reference.window_share``).
+A share near 0 beyond the window means the linear part drowns the window (the published recreation's
+formulation does this: every older key adds about D to the denominator); a share near 1 means the
+layer bypasses its linear part and acts as window-only attention. Either can hide behind a decent
+perplexity, so the report shows the share per layer at a few context lengths.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from hybrid_llama.eval.quality import max_positions, perplexity_windows, read_rows, token_stream, write_rows
+
+COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries")
+
+
+@torch.no_grad()
+def window_shares(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    context_lens: Sequence[int],
+    tail: int = 64,
+    max_windows: int | None = 2,
+    stage: str,
+) -> list[dict]:
+    """Mean window share per hybrid layer over the last ``tail`` queries of held-out windows of each
+    context length (the windows of ``perplexity_vs_context``). Rows: COMPONENT_COLUMNS."""
+    from hybrid_llama.layers import HybridLlamaAttention
+    from hybrid_llama.ops.reference import window_share
+
+    layers = {m.layer_idx: m for m in model.modules() if isinstance(m, HybridLlamaAttention)}
+    if not layers:
+        return []
+    dev = next(model.parameters()).device
+    stream = torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
+    windows = perplexity_windows(len(stream), context_lens, tail=tail, max_windows=max_windows,
+                                 max_len=max_positions(model))
+    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0])
+    length = {"L": 0}
+
+    def hook(layer: HybridLlamaAttention):
+        def pre(_mod, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            q, k, _ = layer.project(hidden, kwargs["position_embeddings"])
+            T = q.shape[2]
+            queries = torch.arange(max(0, T - tail), T, device=q.device)
+            cfg = layer.hybrid
+            share = window_share(q, k, layer.mixing.window_logit, layer.mixing.linear_logit, window=cfg.window,
+                                 formulation=cfg.formulation, feature_map=layer.op_feature_map(),
+                                 query_positions=queries)
+            acc = sums[layer.layer_idx, length["L"]]
+            acc[0] += float(share.nansum())
+            acc[1] += int(share.isfinite().sum())
+
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(m), with_kwargs=True) for m in layers.values()]
+    was_training = model.training
+    model.eval()
+    try:
+        for L, spans in windows.items():
+            length["L"] = L
+            for a, b in spans:
+                model(input_ids=stream[a:b][None].to(dev), logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    rows = []
+    for (layer, L), (total, n) in sorted(sums.items()):
+        share = total / n if n else float("nan")
+        rows.append({"stage": stage, "layer": layer, "context_len": L, "window_share": share,
+                     "linear_share": 1.0 - share, "n_queries": n})
+    return rows
+
+
+def write_components_csv(rows: Iterable[dict], path: str | Path) -> Path:
+    """components.csv: stage,layer,context_len,window_share,linear_share,n_queries"""
+    return write_rows(rows, path, COMPONENT_COLUMNS)
+
+
+def read_components_csv(path: str | Path) -> list[dict]:
+    return read_rows(path, {"layer": int, "context_len": int, "window_share": float, "linear_share": float,
+                            "n_queries": int})
