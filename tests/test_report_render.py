@@ -1,119 +1,265 @@
-"""results/report.html renders in headless Chromium: the screenshot is not blank, the tables are
-in the DOM with the numbers computed from fixture results, and the page needs no other file."""
+"""results/report.html from fixture result files laid out as the test DAG (config/test.yaml) writes them:
+the headline table's cells equal the numbers computed here from the fixture values, every cell links to
+a section, a deleted result file gives "not measured" cells, the summary is short and follows the numbers,
+and in headless Chromium at 1280 px the headline table sits above the fold."""
 
 from __future__ import annotations
 
 import csv
+import html as htmllib
 import json
+import math
 import re
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
+from snakemake.utils import validate
 
+from hybrid_llama import pipeline
 from hybrid_llama.pipeline import path
+from hybrid_llama.report import plots, quality_plots
 from hybrid_llama.report.html import write_report
 
+REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
+M, D = "tiny", "cpu"
 N_Q = 40
 
+# The fixture numbers. Per-window NLLs: base, plus a per-stage offset that grows with context, plus a
+# small per-window wobble (so the paired stderr is not zero).
+CONTEXTS = (16, 64, 256)
+BASE_NLL = {16: [3.0, 3.4, 2.8, 3.2], 64: [2.8, 3.1, 2.6, 3.0], 256: [2.7, 3.0, 2.5, 2.9]}
+OFFSET = {  # (slot, stage) -> {context: offset}
+    ("base_lora", "base_lora"): {16: 0.01, 64: 0.01, 256: 0.01},
+    ("w16", "transfer"): {16: 0.05, 64: 0.4, 256: 0.9},
+    ("w16", "transfer_lora"): {16: 0.03, 64: 0.3, 256: 0.7},
+    ("lc16", "transfer"): {16: 0.02, 64: 0.15, 256: 0.3},
+    ("lc16", "transfer_lora"): {16: 0.01, 64: 0.1, 256: 0.2},
+    ("win16", "converted"): {16: 0.0, 64: 0.35, 256: 0.6},
+}
+WOBBLE = [0.02, -0.01, 0.03, 0.0]
+PASSKEY = {  # (slot, stage) -> accuracy at (context, depth); 5 trials per cell
+    ("base", "base"): {(256, 0.1): 1.0, (256, 0.5): 1.0, (1024, 0.1): 1.0, (1024, 0.5): 0.8},
+    ("base_lora", "base_lora"): {(256, 0.1): 1.0, (256, 0.5): 1.0, (1024, 0.1): 0.8, (1024, 0.5): 0.8},
+    ("w16", "transfer"): {(256, 0.1): 0.2, (256, 0.5): 0.0, (1024, 0.1): 0.0, (1024, 0.5): 0.0},
+    ("w16", "transfer_lora"): {(256, 0.1): 0.4, (256, 0.5): 0.2, (1024, 0.1): 0.2, (1024, 0.5): 0.0},
+    ("lc16", "transfer"): {(256, 0.1): 0.4, (256, 0.5): 0.4, (1024, 0.1): 0.2, (1024, 0.5): 0.2},
+    ("lc16", "transfer_lora"): {(256, 0.1): 0.6, (256, 0.5): 0.4, (1024, 0.1): 0.4, (1024, 0.5): 0.2},
+    ("win16", "converted"): {(256, 0.1): 0.0, (256, 0.5): 0.0, (1024, 0.1): 0.0, (1024, 0.5): 0.0},
+}
+SHARES = {("w16", "transfer"): 0.02, ("w16", "transfer_lora"): 0.03, ("lc16", "transfer"): 0.5,
+          ("lc16", "transfer_lora"): 0.45, ("win16", "converted"): 1.0}
+LAYERS = {"w16": [0], "lc16": [0, 2], "win16": [0, 2]}
+SEQ_LENS = (64, 256, 1024)
+# tokens/s per (label, phase) at each length; cache bytes per label at each length
+SPEED = {
+    ("base", "prefill"): [4000.0, 3000.0, 1500.0], ("base", "decode"): [400.0, 300.0, 150.0],
+    ("w16/hybrid_chunked", "prefill"): [2000.0, 2400.0, 2100.0],
+    ("w16/hybrid_chunked", "decode"): [250.0, 280.0, 270.0],
+    ("lc16/hybrid_chunked", "prefill"): [1800.0, 2000.0, 1900.0],
+    ("lc16/hybrid_chunked", "decode"): [200.0, 260.0, 240.0],
+    ("lc16/hybrid_seed_naive", "prefill"): [900.0, 1200.0, 1950.0],
+    ("lc16/hybrid_seed_naive", "decode"): [100.0, 120.0, 110.0],
+}
+CACHE = {"base": [64 * 4096.0, 256 * 4096.0, 1024 * 4096.0], "w16/hybrid_chunked": [90000.0] * 3,
+         "lc16/hybrid_chunked": [120000.0] * 3, "lc16/hybrid_seed_naive": [120000.0] * 3}
+MMLU_CORRECT = {("base", "base"): range(20), ("base_lora", "base_lora"): range(21),
+                ("w16", "transfer"): range(25), ("w16", "transfer_lora"): range(30),
+                ("lc16", "transfer"): range(19), ("lc16", "transfer_lora"): range(18),
+                ("win16", "converted"): range(20)}
+ALL_SLOTS = [("base", "base"), ("base_lora", "base_lora"), ("w16", "transfer"), ("w16", "transfer_lora"),
+             ("lc16", "transfer"), ("lc16", "transfer_lora"), ("win16", "converted")]
 
-def _mmlu(path: Path, *, stage: str, variant: str, correct: set[int]) -> Path:
-    """An eval/mmlu.py-style result: N_Q questions of one subject, `correct` answered right."""
-    questions = [{"subject": "marketing", "doc_id": i, "gold": "A", "pred": "A" if i in correct else "B",
-                  "loglikelihoods": [0.0, -1.0, -2.0, -3.0], "correct": i in correct} for i in range(N_Q)]
-    acc = len(correct) / N_Q
-    se = (acc * (1 - acc) / (N_Q - 1)) ** 0.5
-    result = {
-        "schema": "hybrid_llama.mmlu/1", "fmt": "mc", "shots": 0, "device": "cpu", "device_name": "cpu",
-        "lm_eval_version": "0.4.13", "torch_version": "x", "transformers_version": "y", "wall_time_s": 1.5,
-        "meta": {"model": "m", "variant": variant, "stage": stage},
-        "aggregate": {"n": N_Q, "n_subjects": 1, "acc_weighted": acc, "acc_weighted_stderr": se,
-                      "acc_mean": acc, "acc_mean_stderr": se},
-        "questions": questions, "chance": 0.25,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
-    return path
+
+def window_nlls(slot: str, stage: str, L: int) -> list[float]:
+    if slot == "base":
+        return BASE_NLL[L]
+    return [b + OFFSET[slot, stage][L] + (w if slot != "base_lora" else 0.0) * (L > 16)
+            for b, w in zip(BASE_NLL[L], WOBBLE)]
 
 
-def _csv(path: Path, header: list[str], rows: list[list]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+def dag_config() -> dict:
+    cfg = yaml.safe_load((REPO / "config" / "test.yaml").read_text())
+    validate(cfg, str(pipeline.SCHEMA_PATH))  # the defaults, as the Snakefile's validate() fills them
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ fixture files
+
+
+def _csv(file: Path, header: list[str], rows: list[list]) -> Path:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with open(file, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(header)
         w.writerows(rows)
-    return path
+    return file
 
 
-def _plot(path: Path) -> Path:
-    from matplotlib.figure import Figure
+def _json(file: Path, data: dict) -> Path:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(data))
+    return file
 
-    fig = Figure(figsize=(4, 3))
-    ax = fig.subplots()
-    ax.plot([1, 2, 4, 8], [3, 1, 4, 1], marker="o")
-    ax.set_title(path.stem)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+
+def _mmlu(root: Path, slot: str, stage: str) -> Path:
+    correct = set(MMLU_CORRECT[slot, stage])
+    questions = [{"subject": "marketing" if i % 2 else "sociology", "doc_id": i, "gold": "A",
+                  "pred": "A" if i in correct else "B", "correct": i in correct} for i in range(N_Q)]
+    acc = len(correct) / N_Q
+    se = (acc * (1 - acc) / (N_Q - 1)) ** 0.5
+    per_subject = {s: {"n": N_Q // 2, "acc": sum(q["pred"] == "A" for q in questions if q["subject"] == s) / (N_Q // 2),
+                       "acc_stderr": 0.1} for s in ("marketing", "sociology")}
+    return _json(root / path("mmlu", model=M, variant=slot, device=D, stage=stage, fmt="mc", shots=0), {
+        "schema": "hybrid_llama.mmlu/1", "fmt": "mc", "shots": 0, "device": D, "device_name": "Fixture CPU",
+        "lm_eval_version": "0.4.13", "torch_version": "x", "transformers_version": "y", "wall_time_s": 1.5,
+        "meta": {"model": M, "variant": slot, "stage": stage}, "per_subject": per_subject,
+        "aggregate": {"n": N_Q, "n_subjects": 2, "acc_weighted": acc, "acc_weighted_stderr": se,
+                      "acc_mean": acc, "acc_mean_stderr": se},
+        "questions": questions, "chance": 0.25,
+    })
+
+
+def _variant_stages(variant: str) -> list[tuple[str, str]]:
+    own = [(s, t) for s, t in ALL_SLOTS if s == variant]
+    return [("base", "base"), *own, ("base_lora", "base_lora")]
+
+
+def make_results(root: Path) -> dict:
+    """Every result file the report rule reads, at its workflow path under root; returns the
+    write_report inputs."""
+    quality, plot_files = [], []
+    tables = {"perplexity": {}, "passkey": {}, "components": {}}
+    for variant in ("w16", "lc16", "win16"):
+        ppl = [[stage, L, statistics.fmean(window_nlls(slot, stage, L)), 0, 16,
+                " ".join(repr(x) for x in window_nlls(slot, stage, L))]
+               for slot, stage in _variant_stages(variant) for L in CONTEXTS]
+        pk = [[stage, L, depth, acc, 5] for slot, stage in _variant_stages(variant)
+              for (L, depth), acc in PASSKEY[slot, stage].items()]
+        comp = [[stage, layer, L, SHARES[slot, stage] + (0.1 if L == 32 else 0.0), 0, 8]
+                for slot, stage in ALL_SLOTS if slot == variant for layer in LAYERS[variant] for L in (32, 64)]
+        for kind, header, rows in (
+            ("perplexity", ["stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls"], ppl),
+            ("passkey", ["stage", "context_len", "depth", "accuracy", "n"], pk),
+            ("components", ["stage", "layer", "context_len", "window_share", "linear_share", "n_queries"], comp),
+        ):
+            f = _csv(root / path("quality", model=M, variant=variant, device=D, kind=kind), header, rows)
+            quality.append(f)
+            tables[kind][variant] = f
+
+    from hybrid_llama.eval.components import read_components_csv
+    from hybrid_llama.eval.quality import read_passkey_csv, read_perplexity_csv
+
+    def stem(name: str) -> Path:
+        return root / path(name, model=M, device=D).removesuffix(".png")
+
+    windows = {"w16": 16, "lc16": 16, "win16": 16}
+    plot_files += quality_plots.plot_nll({v: read_perplexity_csv(f) for v, f in tables["perplexity"].items()},
+                                         stem("plot_nll"), title="NLL", windows=windows)[:1]
+    plot_files += quality_plots.plot_passkey({v: read_passkey_csv(f) for v, f in tables["passkey"].items()},
+                                             stem("plot_passkey"), title="passkey", windows=windows)[:1]
+    plot_files += quality_plots.plot_components({v: read_components_csv(f) for v, f in tables["components"].items()},
+                                                stem("plot_components"), title="components")[:1]
+
+    header = ["variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "time_s",
+              "peak_mem_bytes", "cache_bytes", "mem_method", "device", "device_name", "dtype", "status"]
+    rows = []
+    for (label, phase), values in SPEED.items():
+        backend = "sdpa" if label == "base" else label.split("/hybrid_")[1]
+        for L, tps, cache in zip(SEQ_LENS, values, CACHE[label]):
+            rows.append([label, backend, phase, L, 1, tps, 1 / tps, L / tps, 5e8 + L * 1e4, cache, "rss_hwm", D,
+                         "Fixture CPU", "float32", "ok"])
+    throughput = _csv(root / path("throughput", model=M, device=D), header, rows)
+    plot_files += plots.plot_throughput(throughput, stem("plot_throughput"))[:1]
+    plot_files += plots.plot_memory(throughput, stem("plot_memory"))[:1]
+
+    mmlu = [_mmlu(root, slot, stage) for slot, stage in ALL_SLOTS]
+    plot_files += plots.plot_mmlu(mmlu, root / path("plot_mmlu", model=M, fmt="mc").removesuffix(".png"))[:1]
+
+    transfer, lora = [], []
+    for variant in ("w16", "lc16"):
+        transfer.append(_json(root / path("transfer_metrics", model=M, variant=variant),
+                              {"mse_before": {"0": 0.5}, "mse_after": {"0": 0.05}, "steps": 10, "wall_time_s": 12.3}))
+    for slot in ("w16", "lc16", "base_lora"):
+        lora.append(_json(root / path("lora_metrics", model=M, variant=slot),
+                          {"val_loss_before": 2.5, "val_loss_after": 2.1, "steps": 5}))
+    gens = [_json(root / path("generations", model=M, variant=slot, stage=stage),
+                  {"samples": [{"prompt": "The capital of France is", "completion": f" Paris <b>{stage}</b>"}]})
+            for slot, stage in ALL_SLOTS]
+    man = _json(root / "resources/data/transfer/tiny/L64_N2048.json",
+                {"source": {"kind": "local"}, "token_count": 2048, "doc_hashes": ["cd" * 32] * 3})
+    bench = root / "logs/benchmarks/transfer/tiny/w16.tsv"
+    bench.parent.mkdir(parents=True)
+    bench.write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t321.0\n")
+    return {"config": dag_config(), "mmlu": mmlu, "quality": quality, "throughput": [throughput],
+            "generations": gens, "plots": plot_files, "transfer_metrics": transfer, "lora_metrics": lora,
+            "manifests": [man], "benchmarks_dir": root / "logs/benchmarks", "repo_dir": root}
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> Path:
+def fixture_root(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("report")
-    r = root / "results"
-    mmlu = [
-        _mmlu(r / "m/base/mmlu/cpu/base/mc_0shot.json", stage="base", variant="base", correct=set(range(20))),
-        # 10 more right, none lost: +25 points on the same questions
-        _mmlu(r / "m/v1/mmlu/cpu/transfer_lora/mc_0shot.json", stage="transfer_lora", variant="v1",
-              correct=set(range(30))),
-    ]
-    tp_header = ["variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "peak_mem_bytes",
-                 "cache_bytes", "device", "device_name", "dtype", "repeats", "decode_tokens", "status"]
-    tp_rows = []
-    for L in (256, 1024):
-        for variant, tps in (("base", 100.0), ("v1/hybrid_chunked", 300.0 if L == 1024 else 50.0)):
-            for phase in ("prefill", "decode"):
-                tp_rows.append([variant, "sdpa", phase, L, 1, tps, 1 / tps, 2**30, 2**20, "cpu", "Fixture CPU",
-                                "float32", 3, 8, "ok"])
-    throughput = _csv(r / "m/throughput/cpu.csv", tp_header, tp_rows)
-    stages = ("base", "transfer", "transfer_lora", "base_lora")
-    ppl = _csv(r / "m/v1/quality/cpu/perplexity.csv", ["stage", "context_len", "nll", "ppl", "n_tokens"],
-               [[s, L, 3.0 + i / 10 - L / 4096, 20.0, 64] for i, s in enumerate(stages) for L in (64, 256, 1024)])
-    pk = _csv(r / "m/v1/quality/cpu/passkey.csv", ["stage", "context_len", "depth", "accuracy", "n"],
-              [[s, L, d, 1.0 if s == "base" else 0.25, 20] for s in stages for L in (256, 512) for d in (0.1, 0.5)])
-    plots = [_plot(root / path(name, model="m", variant="v1", device="cpu", fmt="mc")) for name in
-             ("plot_mmlu", "plot_throughput", "plot_memory", "plot_transfer_loss", "plot_lora_loss", "plot_nll",
-              "plot_passkey")]
-    tm = r / "m/v1/transfer/metrics.json"
-    tm.parent.mkdir(parents=True)
-    tm.write_text(json.dumps({"mse_before": {"0": 0.5, "2": 0.4}, "mse_after": {"0": 0.05, "2": 0.1},
-                              "steps": 10, "wall_time_s": 12.3456789}))
-    lm = r / "m/v1/lora/metrics.json"
-    lm.parent.mkdir(parents=True)
-    lm.write_text(json.dumps({"val_loss_before": 2.5, "val_loss_after": 2.1, "steps": 5}))
-    gen = r / "m/base/generations/base.json"
-    gen.parent.mkdir(parents=True)
-    gen.write_text(json.dumps({"model": "m", "variant": "base", "stage": "base", "device_name": "cpu",
-                               "samples": [{"prompt": "The capital of France is", "completion": " Paris <b>"}]}))
-    man = root / "resources/data/transfer/m.json"
-    man.parent.mkdir(parents=True)
-    man.write_text(json.dumps({"source": {"kind": "local"}, "token_count": 4096, "inputs_sha256": "ab" * 32,
-                               "doc_hashes": ["cd" * 32] * 3}))
-    bench = root / "logs/benchmarks/transfer/m/v1.tsv"
-    bench.parent.mkdir(parents=True)
-    bench.write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t321.0\n")
-    config = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
-              "variants": [{"name": "v1", "hybrid": {"layers": [0, 2], "window": 64, "formulation": "hybrid",
-                                                    "feature_map": "elu1", "backend": "auto"}}]}
-    return write_report(
-        root / "results/report.html", config=config, mmlu=mmlu, quality=[ppl, pk], throughput=[throughput],
-        generations=[gen], plots=plots, transfer_metrics=[tm], lora_metrics=[lm], manifests=[man],
-        benchmarks_dir=root / "logs/benchmarks", repo_dir=root,
-    )
+    return root, make_results(root)
+
+
+@pytest.fixture(scope="module")
+def report(fixture_root) -> Path:
+    root, inputs = fixture_root
+    return write_report(root / "results/report.html", **inputs)
+
+
+# ------------------------------------------------------------------------------------ reading the page
+
+
+def headline(html: str) -> dict[str, list[tuple[str, str]]]:
+    """{row label: [(cell text, link), ...]} of the headline table."""
+    table = re.search(r'<table class="headline".*?<tbody>(.*?)</tbody>', html, re.DOTALL).group(1)
+    out = {}
+    for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.DOTALL):
+        label = htmllib.unescape(re.search(r'<td class="l">(.*?)</td>', row, re.DOTALL).group(1))
+        cells = re.findall(r'<td class="[^"]*" title="[^"]*"><a href="([^"]*)">(.*?)</a></td>', row, re.DOTALL)
+        out[label] = [(htmllib.unescape(text), href) for href, text in cells]
+    return out
+
+
+def summary(html: str) -> list[str]:
+    block = re.search(r'<ul class="summary"[^>]*>(.*?)</ul>', html, re.DOTALL).group(1)
+    return [htmllib.unescape(s) for s in re.findall(r"<li>(.*?)</li>", block, re.DOTALL)]
+
+
+ROWS = {"base": "base", "base_lora": "base + LoRA (control)", "w16": "w16: hybrid after transfer + LoRA",
+        "lc16": "lc16: hybrid after transfer + LoRA", "win16": "win16: hybrid as converted (no training)"}
+COLUMNS = ["prefill", "decode", "cache", "nll_window", "nll_longest", "passkey", "mmlu"]
+FINAL = {"w16": "transfer_lora", "lc16": "transfer_lora", "win16": "converted", "base_lora": "base_lora"}
+
+
+def cell(table: dict, slot: str, column: str) -> str:
+    return table[ROWS[slot]][COLUMNS.index(column)][0]
+
+
+def value_and_se(text: str) -> tuple[float, float]:
+    m = re.fullmatch(r"([+-][\d.]+) ± ([\d.]+)(?: \(.*\))?", text)
+    assert m, text
+    return float(m.group(1)), float(m.group(2))
+
+
+def decimals(text: str) -> float:
+    """Half a unit of the last printed digit: the rounding a printed number may carry."""
+    return 0.5 * 10 ** -len(text.split(" ")[0].split(".")[1])
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    d = [x - y for x, y in zip(a, b)]
+    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
+# ------------------------------------------------------------------------------------ tests
 
 
 def test_report_is_self_contained(report):
@@ -121,45 +267,143 @@ def test_report_is_self_contained(report):
     srcs = re.findall(r'(?:src|href)="([^"#]*)"', html)
     assert srcs and all(s.startswith("data:") for s in srcs), [s[:40] for s in srcs if not s.startswith("data:")]
     assert "<link" not in html and "<script" not in html
-    assert html.count("data:image/png;base64,") == 7
-    # text from results is escaped, not interpreted
-    assert " Paris &lt;b&gt;" in html
+    assert html.count("data:image/png;base64,") == 6  # nll, passkey, components, throughput, memory, mmlu
+    assert " Paris &lt;b&gt;" in html  # text from results is escaped, not interpreted
 
 
-def test_report_numbers(report):
+def test_headline_speed_cells_equal_the_fixture_ratios(report):
+    table = headline(report.read_text())
+    i = SEQ_LENS.index(1024)  # the longest length base was measured at
+    assert "vs base at 1024 tokens" in report.read_text()
+    base = {p: SPEED["base", p][i] for p in ("prefill", "decode")}
+    assert cell(table, "base", "prefill") == f"{base['prefill']:,.0f} tok/s"
+    for phase in ("prefill", "decode"):
+        assert cell(table, "w16", phase) == f"{SPEED['w16/hybrid_chunked', phase][i] / base[phase]:.2f}×"
+        # two backends: the fastest at that length, named
+        best = max(("chunked", "seed_naive"), key=lambda b: SPEED[f"lc16/hybrid_{b}", phase][i])
+        assert cell(table, "lc16", phase) == f"{SPEED[f'lc16/hybrid_{best}', phase][i] / base[phase]:.2f}× {best}"
+        assert cell(table, "win16", phase) == "not measured"  # the untrained control is not timed
+        assert cell(table, "base_lora", phase) == "as base"
+    assert cell(table, "w16", "cache") == f"{CACHE['w16/hybrid_chunked'][i] / CACHE['base'][i]:.2f}×"
+    assert cell(table, "base", "cache") == f"{CACHE['base'][i] / 2**20:,.2f} MiB"
+
+
+def test_headline_quality_cells_equal_the_fixture_differences(report):
+    table = headline(report.read_text())
+    for slot in ("w16", "lc16", "win16", "base_lora"):
+        for column, L in (("nll_window", 16), ("nll_longest", 256)):
+            text = cell(table, slot, column)
+            diff, se = paired(window_nlls(slot, FINAL[slot], L), BASE_NLL[L])
+            got, got_se = value_and_se(text)
+            tol = decimals(text) + 1e-9
+            assert abs(got - diff) <= tol and abs(got_se - se) <= tol, (slot, column, text, diff, se)
+        acc = PASSKEY["base" if slot == "base" else slot, FINAL[slot]]
+        found = sum(round(5 * a) for (L, _), a in acc.items() if L == 1024)
+        assert cell(table, slot, "passkey") == f"{found / 10:.0%} ({found}/10)"
+    assert cell(table, "base", "nll_longest") == f"{statistics.fmean(BASE_NLL[256]):.3f} nats"
+
+
+def test_headline_mmlu_cells_follow_the_paired_rule(report):
+    table = headline(report.read_text())
+    base = set(MMLU_CORRECT["base", "base"])
+    for slot in ("w16", "lc16", "win16", "base_lora"):
+        mine = set(MMLU_CORRECT[slot, FINAL[slot]])
+        d = [float(i in mine) - float(i in base) for i in range(N_Q)]
+        diff, se = 100 * statistics.fmean(d), 100 * statistics.stdev(d) / math.sqrt(N_Q)
+        text = cell(table, slot, "mmlu")
+        got, got_se = value_and_se(text)
+        assert abs(got - diff) <= 0.05 + 1e-9 and abs(got_se - se) <= 0.05 + 1e-9, (slot, text)
+        assert text.endswith("(significant)" if abs(diff) > 2 * se else "(n.s.)"), (slot, text)
+    assert cell(table, "w16", "mmlu").endswith("(significant)")  # +25 points, paired stderr 6.9
+    assert cell(table, "lc16", "mmlu").endswith("(n.s.)")  # -5 points, paired stderr 3.5
+
+
+def test_every_headline_cell_links_to_a_section(report):
     html = report.read_text()
-    row = re.search(r"<tr[^>]*>(?:(?!</tr>).)*transfer \+ LoRA(?:(?!</tr>).)*</tr>", html, re.S).group(0)
-    cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
-    assert "75.0 ± 6.9" in cells          # 30/40 with stderr sqrt(.75*.25/39)
-    assert "+25.0" in cells and "yes" in cells   # 10 of 40 flipped right: 25 points > 2 paired stderr (6.9)
-    assert "300.0 (3.00×)" in html and "50.0 (0.50×)" in html   # speedup vs base at each length
-    assert "0.1 / " not in html  # passkey cells show accuracies, not depths
-    assert "1.00 [1.00 / 1.00]" in html and "0.25 [0.25 / 0.25]" in html
-    assert "3 document sha256 hashes" in html and "cd" * 32 not in html
-    assert "transfer/m/v1" in html and "12.5" in html
+    table = headline(html)
+    assert list(table) == list(ROWS.values())
+    for cells in table.values():
+        assert len(cells) == len(COLUMNS)
+        for _, href in cells:
+            assert href.startswith("#") and f'id="{href[1:]}"' in html, href
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium); .ci/run installs it")
-def test_report_renders_in_chromium(report, tmp_path):
-    from PIL import Image, ImageStat
+def test_summary_is_short_and_follows_the_numbers(report):
+    sentences = summary(report.read_text())
+    text = " ".join(sentences)
+    assert 1 <= len(sentences) <= 8
+    assert sentences[0].startswith("NLL at 256 tokens vs base")
+    for slot in ("w16", "lc16", "win16"):
+        diff, se = paired(window_nlls(slot, FINAL[slot], 256), BASE_NLL[256])
+        printed = re.search(rf"{slot} ([+-][\d.]+ ± [\d.]+)", sentences[0]).group(1)
+        got, got_se = value_and_se(printed)
+        assert abs(got - diff) <= decimals(printed) + 1e-9 and abs(got_se - se) <= decimals(printed) + 1e-9
+    # lc16 has the smallest NLL gap and beats the window-only control by far more than 2 paired stderr
+    assert "lc16, the best variant, beats the window-only control" in text
+    share = SHARES["lc16", "transfer_lora"]
+    assert f"give the window {share:.0%} of the attention normalizer" in text
+    assert "0.6 % on RULER passkey at 4K" in text and "arXiv 2505.23666" in text
+    assert "w16 0-shot +25.0 ± 6.9 points" in text  # the one significant MMLU difference
+    # w16 decodes at 280/300 of base at 256 tokens and 270/150 at 1024: the log-log crossing in between
+    r0, r1 = 280 / 300, 270 / 150
+    cross = 256 * 4 ** (-math.log(r0) / (math.log(r1) - math.log(r0)))
+    assert f"decodes at {r1:.2f}× (faster than base from about {cross:,.0f} tokens)" in text
+    assert "gain from longer context" not in text and "keeps -" not in text
+
+
+def test_deleted_result_file_reads_not_measured(fixture_root, tmp_path):
+    root, inputs = fixture_root
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    moved = {k: [copy / Path(f).relative_to(root) for f in v] if isinstance(v, list) else v for k, v in inputs.items()}
+    gone = [copy / path("throughput", model=M, device=D),
+            copy / path("quality", model=M, variant="win16", device=D, kind="perplexity"),
+            copy / path("mmlu", model=M, variant="lc16", device=D, stage="transfer_lora", fmt="mc", shots=0)]
+    for f in gone:
+        f.unlink()
+    html = write_report(copy / "results/report.html", **moved).read_text()
+    table = headline(html)
+    for slot in ROWS:
+        for column in ("prefill", "decode", "cache"):
+            assert cell(table, slot, column) == "not measured"
+    assert cell(table, "win16", "nll_window") == cell(table, "win16", "nll_longest") == "not measured"
+    assert cell(table, "lc16", "mmlu") == "not measured"
+    assert cell(table, "w16", "nll_longest") != "not measured"  # the rest still reads
+    for f in gone:
+        assert f.relative_to(copy).as_posix() in html
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (tests/run.sh installs it)")
+def test_headline_is_above_the_fold_in_chromium(report, tmp_path):
+    """What a reader sees first in a 1280 x 800 window: the whole headline table, before any figure."""
+    width, height = 1280, 800
+    probe = """<script>
+    const box = e => { const r = e.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, right: r.right}; };
+    document.body.setAttribute("data-probe", JSON.stringify({
+      table: box(document.querySelector("table.headline")), figure: box(document.querySelector("figure")),
+      height: window.innerHeight, width: window.innerWidth}));
+    </script></body>"""
+    page = tmp_path / "report.html"
+    page.write_text(report.read_text().replace("</body>", probe))
+    flags = [*FLAGS, f"--window-size={width},{height}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=180, check=False).stdout
+    m = re.search(r'data-probe="([^"]*)"', dom)
+    assert m, dom[-2000:]
+    probe = json.loads(htmllib.unescape(m.group(1)))
+    # the fold is the viewport's bottom (the headless window keeps some of its height for itself)
+    fold = probe["height"]
+    assert probe["width"] == width and 0.8 * height <= fold <= height, probe
+    table, figure = probe["table"], probe["figure"]
+    assert 0 <= table["top"] and table["bottom"] <= fold, f"headline table at {table}, fold at {fold}px"
+    assert table["right"] <= width, f"headline table wider than the window: {table}"
+    assert figure["top"] > table["bottom"], "a figure comes before the headline table"
 
     shot = tmp_path / "shot.png"
-    url = report.resolve().as_uri()
-    out = subprocess.run([CHROMIUM, *FLAGS, "--window-size=1280,2000", f"--screenshot={shot}", url],
-                         capture_output=True, text=True, timeout=180)
-    assert shot.is_file(), out.stderr[-2000:]
-    image = Image.open(shot).convert("L")
-    assert image.size == (1280, 2000)
-    stddev = ImageStat.Stat(image).stddev[0]
-    assert stddev > 20, f"screenshot looks blank (pixel stddev {stddev:.1f})"
-    # a dark header band and white page: both extremes are present
-    low, high = image.getextrema()
-    assert low < 80 and high > 230
+    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", report.resolve().as_uri()], capture_output=True,
+                   timeout=180, check=False)
+    from PIL import Image, ImageStat
 
-    dom = subprocess.run([CHROMIUM, *FLAGS, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
-    for table_id in ("mmlu-table", "variants-table", "devices-table", "packages-table", "benchmarks-table"):
-        assert f'id="{table_id}"' in dom, table_id
-    for cls in ("throughput-table", "memory-table", "perplexity-table", "passkey-table", "transfer-table",
-                "lora-table", "generations-table"):
-        assert f'class="{cls}"' in dom, cls
-    assert dom.count("<img") == 7
+    image = Image.open(shot).convert("L")
+    assert image.size == (width, height)
+    assert ImageStat.Stat(image).stddev[0] > 20, "screenshot looks blank"

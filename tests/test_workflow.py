@@ -266,10 +266,9 @@ def _stage_jobs(slot: str, stage: str, fmts=("mc",), shots=(0,)) -> set:
 
 
 def _tables(variant: str, kinds=("perplexity", "passkey", "components")) -> set:
-    """A variant's quality tables and its plot job (the plot reads the perplexity and passkey tables)."""
+    """A variant's quality tables and the quality plot job (one per model and device, reading every table)."""
     jobs = {("quality_table", f"results/{M}/{variant}/quality/{D}/{k}.csv") for k in kinds}
-    if {"perplexity", "passkey"} & set(kinds):
-        jobs.add(("plot_quality", f"results/plots/{M}/{variant}/nll_{D}.png"))
+    jobs.add(("plot_quality", f"results/plots/{M}/nll_{D}.png"))
     return jobs
 
 

@@ -79,8 +79,10 @@ PATHS: dict[str, str] = {
     "plot_mmlu": "results/plots/{model}/mmlu_{fmt}.png",
     "plot_throughput": "results/plots/{model}/throughput_{device}.png",
     "plot_memory": "results/plots/{model}/memory_{device}.png",
-    "plot_nll": "results/plots/{model}/{variant}/nll_{device}.png",
-    "plot_passkey": "results/plots/{model}/{variant}/passkey_{device}.png",
+    # Quality plots put every variant on one axis: one figure per (model, device).
+    "plot_nll": "results/plots/{model}/nll_{device}.png",
+    "plot_passkey": "results/plots/{model}/passkey_{device}.png",
+    "plot_components": "results/plots/{model}/components_{device}.png",
     "plot_transfer_loss": "results/plots/{model}/{variant}/transfer_loss.png",
     "plot_lora_loss": "results/plots/{model}/{variant}/lora_loss.png",
     "report": "results/report.html",
@@ -513,9 +515,8 @@ class Pipeline:
     def report_inputs(self) -> dict[str, list[str]]:
         m_, v_, d_ = list(self.models), list(self.variants), self.devices
         plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
-        plots += [path(k, model=m, device=d) for m in m_ for d in d_ for k in ("plot_throughput", "plot_memory")]
-        plots += [path(k, model=m, variant=v, device=d) for m in m_ for v in v_ for d in d_
-                  for k in ("plot_nll", "plot_passkey")]
+        plots += [path(k, model=m, device=d) for m in m_ for d in d_
+                  for k in ("plot_throughput", "plot_memory", "plot_nll", "plot_passkey", "plot_components")]
         plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in self.transfer_slots()]
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {

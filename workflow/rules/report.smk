@@ -94,39 +94,45 @@ rule plot_lora_loss:
 
 rule plot_quality:
     input:
-        perplexity=path("quality", kind="perplexity"),
-        passkey=path("quality", kind="passkey"),
+        perplexity=expand(
+            path("quality", kind="perplexity"), variant=VARIANTS, allow_missing=True
+        ),
+        passkey=expand(
+            path("quality", kind="passkey"), variant=VARIANTS, allow_missing=True
+        ),
+        components=expand(
+            path("quality", kind="components"), variant=VARIANTS, allow_missing=True
+        ),
     output:
         nll=report(
             path("plot_nll"),
             caption="../report/nll.rst",
             category="Quality",
-            labels={
-                "model": "{model}",
-                "variant": "{variant}",
-                "device": "{device}",
-                "plot": "nll",
-            },
+            labels={"model": "{model}", "device": "{device}", "plot": "nll"},
         ),
         nll_svg=svg(path("plot_nll")),
         passkey=report(
             path("plot_passkey"),
             caption="../report/passkey.rst",
             category="Quality",
-            labels={
-                "model": "{model}",
-                "variant": "{variant}",
-                "device": "{device}",
-                "plot": "passkey",
-            },
+            labels={"model": "{model}", "device": "{device}", "plot": "passkey"},
         ),
         passkey_svg=svg(path("plot_passkey")),
+        components=report(
+            path("plot_components"),
+            caption="../report/components.rst",
+            category="Quality",
+            labels={"model": "{model}", "device": "{device}", "plot": "components"},
+        ),
+        components_svg=svg(path("plot_components")),
     log:
-        log_of("plots/{model}/{variant}/quality_{device}"),
+        log_of("plots/{model}/quality_{device}"),
     benchmark:
-        benchmark_of("plots/{model}/{variant}/quality_{device}")
+        benchmark_of("plots/{model}/quality_{device}")
     conda:
         "../../envs/report.yaml"
+    params:
+        windows={v: P.hybrid(v)["window"] for v in VARIANTS},
     script:
         "../scripts/plot_quality.py"
 

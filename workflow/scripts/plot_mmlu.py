@@ -4,8 +4,8 @@ from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.report.html import mmlu_metric
 from hybrid_llama.report.plots import plot_mmlu
+from hybrid_llama.report.results import mmlu_metric
 
 w = snakemake.wildcards
 plot_mmlu(

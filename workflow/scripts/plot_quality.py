@@ -1,11 +1,27 @@
-"""NLL vs context length and the passkey heatmap of one variant (hybrid_llama.report.quality_plots)."""
+"""NLL, passkey and component-share figures of one model and device, every variant on one axis
+(hybrid_llama.report.quality_plots)."""
 
 from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.report.quality_plots import plot_nll_vs_context, plot_passkey_heatmap
+from hybrid_llama.eval.components import read_components_csv
+from hybrid_llama.eval.quality import read_passkey_csv, read_perplexity_csv
+from hybrid_llama.pipeline import parse_result_path
+from hybrid_llama.report.quality_plots import plot_components, plot_nll, plot_passkey
 
-device, out = snakemake.wildcards.device, snakemake.output
-plot_nll_vs_context(snakemake.input.perplexity, out.nll.removesuffix(".png"), device=device)
-plot_passkey_heatmap(snakemake.input.passkey, out.passkey.removesuffix(".png"), device=device)
+w, inp, out = snakemake.wildcards, snakemake.input, snakemake.output
+
+
+def by_variant(files, reader) -> dict:
+    return {parse_result_path(f, ["quality"])[1]["variant"]: reader(f) for f in files}
+
+
+windows = snakemake.params.windows
+where = f"{w.model} on {w.device}"
+plot_nll(by_variant(inp.perplexity, read_perplexity_csv), out.nll.removesuffix(".png"),
+         title=f"Held-out NLL vs context: {where}", windows=windows)
+plot_passkey(by_variant(inp.passkey, read_passkey_csv), out.passkey.removesuffix(".png"),
+             title=f"Passkey retrieval vs context: {where}", windows=windows)
+plot_components(by_variant(inp.components, read_components_csv), out.components.removesuffix(".png"),
+                title=f"Window share of the attention normalizer: {where}")

@@ -7,5 +7,8 @@ start(snakemake, torch_threads=False)
 from hybrid_llama.report.plots import plot_memory, plot_throughput
 
 w, out = snakemake.wildcards, snakemake.output
-plot_throughput(snakemake.input[0], out.throughput.removesuffix(".png"), title=f"{w.model} throughput")
-plot_memory(snakemake.input[0], out.memory.removesuffix(".png"), title=f"{w.model} peak memory")
+where = f"{w.model} on {w.device}"
+plot_throughput(snakemake.input[0], out.throughput.removesuffix(".png"),
+                title=f"Throughput vs prompt length: {where} (×: where a variant overtakes base)")
+plot_memory(snakemake.input[0], out.memory.removesuffix(".png"),
+            title=f"Cache and peak memory vs prompt length: {where}")

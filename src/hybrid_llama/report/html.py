@@ -1,10 +1,11 @@
 """results/report.html: one self-contained page (images embedded as base64) built with jinja2.
 
-`write_report` reads the workflow's result files, turns them into plain rows and renders
-`templates/report.html.j2`. Everything shown comes from the files: MMLU (with paired significance
-against the base model), throughput and memory with speedups, training metrics, perplexity and
-passkey tables, greedy generations, the generated summary and provenance (git commit, package
-versions, devices, data manifests, wall times from Snakemake's benchmark files).
+The page answers "what did linearization buy, and what did it cost?" first: a headline table per
+(model, device) (``hybrid_llama.report.headline``) and a short generated summary
+(``hybrid_llama.report.summary``), then the figures with every variant on one axis, then the detail
+in collapsible sections (tables behind the figures, per-subject MMLU, training, generations,
+configuration, provenance). Everything shown comes from the result files; a file that is listed but
+missing shows as "not measured" and in a list at the top.
 """
 
 from __future__ import annotations
@@ -16,17 +17,29 @@ import math
 import platform
 import subprocess
 from collections import defaultdict
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 
 from hybrid_llama.eval.mmlu import CHANCE
-from hybrid_llama.pipeline import STAGE_LABELS, STAGES, parse_result_path, path
+from hybrid_llama.pipeline import SHARED_STAGES, STAGES, Pipeline, parse_result_path
+from hybrid_llama.report.headline import anchor, headlines, plus_minus
+from hybrid_llama.report.quality_plots import stage_label
+from hybrid_llama.report.results import (
+    Results,
+    mmlu_delta,
+    mmlu_metric,
+    nll_delta,
+    num,
+    passkey_at,
+    stage_rows,
+)
+from hybrid_llama.report.summary import summarize
 
-STAGE_ORDER = list(STAGES)
 PACKAGES = ["hybrid-llama", "torch", "transformers", "peft", "lm_eval", "triton", "snakemake",
             "safetensors", "tokenizers", "datasets", "numpy", "pandas", "matplotlib", "jinja2"]
 
@@ -38,45 +51,32 @@ def _read_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _read_csv(path) -> list[dict]:
+def _read_csv(path, delimiter: str = ",") -> list[dict]:
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _num(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _stage_key(stage: str) -> int:
-    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
+        return list(csv.DictReader(f, delimiter=delimiter))
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
-    v = _num(x)
+    v = num(x)
     return "–" if math.isnan(v) else format(v, spec)
 
 
 def _pct(x: Any, se: Any = None) -> str:
-    v = _num(x)
+    v = num(x)
     if math.isnan(v):
         return "–"
     s = f"{100 * v:.1f}"
-    return s + (f" ± {100 * _num(se):.1f}" if se is not None and not math.isnan(_num(se)) else "")
+    return s + (f" ± {100 * num(se):.1f}" if se is not None and not math.isnan(num(se)) else "")
 
 
-def _bytes(x: Any) -> str:
-    v = _num(x)
+def _mib(x: Any) -> str:
+    v = num(x)
     return "–" if math.isnan(v) else f"{v / 2**20:,.1f}"
 
 
 def _nice(x: Any) -> str:
     """Floats with 4 significant digits; everything else as is."""
-    if isinstance(x, float):
-        return f"{x:.4g}"
-    return str(x)
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def embed_image(path) -> str:
@@ -86,111 +86,86 @@ def embed_image(path) -> str:
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
 
+def _stage_name(slot: str, stage: str) -> str:
+    return stage_label(None if slot in SHARED_STAGES else slot, stage)
+
+
 # ------------------------------------------------------------------------------------ MMLU
 
 
-def _device(result: dict) -> str:
-    """The requested device (config/wildcard, may carry a label), else the one the result records."""
-    return (result.get("meta") or {}).get("device") or result.get("device")
+def mmlu_rows(res: Results) -> list[dict]:
+    """One row per MMLU result: accuracy, and the paired difference to base on the same questions
+    (transfer_lora also to the base + LoRA control)."""
+    def order(key: tuple) -> tuple:  # model, device, format, shots, then base, control, variants by stage
+        model, slot, device, stage, fmt, shots = key
+        return model, device, fmt, shots, slot not in SHARED_STAGES, slot, STAGES.index(stage)
 
-
-def mmlu_metric(fmt: str) -> str:
-    """The headline metric of a format: letters -> acc; answer texts -> acc_norm (lm-eval's usual)."""
-    return "acc" if fmt == "mc" else "acc_norm"
-
-
-def mmlu_rows(paths: Iterable) -> tuple[list[dict], list[dict]]:
-    """(table rows, summary pairs). Every stage is compared with the base model on the same
-    questions (same model, device, format, shots); transfer_lora also with the base_lora control."""
-    from hybrid_llama.eval.quality import paired_difference
-
-    results = [_read_json(p) for p in paths]
-    index = {}
-    for r in results:
-        m = r.get("meta") or {}
-        index[m.get("model"), _device(r), r.get("fmt"), r.get("shots"), m.get("stage"), m.get("variant")] = r
-
-    def find(r: dict, stage: str) -> dict | None:
-        m = r["meta"]
-        return index.get((m.get("model"), _device(r), r.get("fmt"), r.get("shots"), stage, stage))
-
-    rows, pairs = [], []
-    for r in results:
-        m, agg, fmt = r.get("meta") or {}, r["aggregate"], r.get("fmt", "mc")
-        metric = mmlu_metric(fmt)
+    rows = []
+    for key in sorted(res.mmlu, key=order):
+        model, slot, device, stage, fmt, shots = key
+        r, metric = res.mmlu[key], mmlu_metric(fmt)
+        agg = r["aggregate"]
         row = {
-            "model": m.get("model"),
-            "device": _device(r),
-            "device_name": r.get("device_name"),
-            "variant": "—" if m.get("stage") in ("base", "base_lora") else m.get("variant"),
-            "stage": m.get("stage"),
-            "stage_label": STAGE_LABELS.get(m.get("stage"), m.get("stage")),
-            "fmt": fmt,
-            "shots": r.get("shots"),
-            "metric": metric,
-            "n": agg.get("n"),
-            "n_subjects": agg.get("n_subjects"),
+            "model": model, "device": device, "device_name": r.get("device_name", ""),
+            "stage": _stage_name(slot, stage),
+            "shared": slot in SHARED_STAGES, "fmt": fmt, "shots": shots, "metric": metric, "n": agg.get("n"),
             "weighted": _pct(agg.get(f"{metric}_weighted"), agg.get(f"{metric}_weighted_stderr")),
             "mean": _pct(agg.get(f"{metric}_mean"), agg.get(f"{metric}_mean_stderr")),
-            "acc": _pct(agg.get("acc_weighted"), agg.get("acc_weighted_stderr")),
-            "wall_time_s": _fmt(r.get("wall_time_s"), ".0f"),
-            "delta": "",
-            "delta_se": "",
-            "significant": "",
-            "delta_control": "",
+            "wall_time_s": _fmt(r.get("wall_time_s"), ".0f"), "vs_base": "", "significant": "", "vs_control": "",
         }
-        for other, key in (("base", "delta"), ("base_lora", "delta_control")):
-            ref = find(r, other)
-            if ref is None or ref is r or m.get("stage") in ("base", other):
+        for ref, col in (("base", "vs_base"), ("base_lora", "vs_control")):
+            other = res.mmlu.get((model, ref, device, ref, fmt, shots))
+            if other is None or slot == ref or (ref == "base_lora" and stage != "transfer_lora"):
                 continue
-            try:
-                d = paired_difference(r, ref, metric=metric)
-            except (ValueError, KeyError):
-                continue
-            verdict = "yes" if d["significant"] else "no"
-            if key == "delta":
-                row["delta"] = f"{100 * d['diff']:+.1f}"
-                row["delta_se"] = f"{100 * d['stderr_paired']:.1f}"
-                row["significant"] = verdict
-            else:
-                row["delta_control"] = f"{100 * d['diff']:+.1f} ± {100 * d['stderr_paired']:.1f} ({verdict})"
-            if m.get("stage") == "transfer_lora":
-                label = f"{m.get('model')}/{m.get('variant')} transfer+LoRA vs {other}, {r.get('shots')}-shot {fmt} ({metric}), {_device(r)}"
-                pairs.append({"label": label, **d})
+            d = mmlu_delta(r, other, fmt)
+            if d is not None:
+                row[col] = plus_minus(100 * d["diff"], 100 * d["stderr_paired"], 1)
+                if col == "vs_base":
+                    row["significant"] = "yes" if d["significant"] else "no"
+                else:
+                    row[col] += " (significant)" if d["significant"] else " (n.s.)"
         rows.append(row)
-    rows.sort(key=lambda x: (x["model"] or "", x["device"] or "", x["fmt"], x["shots"] or 0,
-                             x["variant"] != "—", x["variant"] or "", _stage_key(x["stage"])))
-    return rows, pairs
+    return rows
+
+
+def mmlu_subject_tables(res: Results) -> list[dict]:
+    """Per (model, device, format, shots): accuracy per subject (rows) and stage (columns)."""
+    groups = defaultdict(dict)
+    for (model, slot, device, stage, fmt, shots), r in res.mmlu.items():
+        groups[model, device, fmt, shots][slot, stage] = r
+    tables = []
+    for (model, device, fmt, shots), results in sorted(groups.items()):
+        metric = mmlu_metric(fmt)
+        cols = sorted(results, key=lambda k: (k[0] not in SHARED_STAGES, k[0], STAGES.index(k[1])))
+        subjects = sorted({s for r in results.values() for s in r.get("per_subject", {})})
+        rows = [{"subject": s, "cells": [
+            _pct((results[c].get("per_subject", {}).get(s) or {}).get(metric)) for c in cols]} for s in subjects]
+        tables.append({"model": model, "device": device, "fmt": fmt, "shots": shots, "metric": metric,
+                       "columns": [_stage_name(*c) for c in cols], "rows": rows})
+    return tables
 
 
 # ------------------------------------------------------------------------------------ throughput
 
 
-def throughput_tables(path) -> dict:
-    """Per phase: rows by seq_len with tokens/s and speedup vs base for each variant; memory rows."""
-    rows = _read_csv(path)
+def throughput_tables(rows: list[dict]) -> dict:
+    """Per phase: tokens/s by length for every variant, with the ratio to base; the memory table."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    device_name = next((r.get("device_name") for r in rows if r.get("device_name")), "")
     by = {(r["variant"], r["phase"], int(r["seq_len"])): r for r in rows}
     phases = {}
     for phase in ("prefill", "decode"):
-        lens = sorted({int(r["seq_len"]) for r in rows if r["phase"] == phase})
         table = []
-        for L in lens:
-            base = by.get(("base", phase, L))
-            cells = []
+        for L in sorted({int(r["seq_len"]) for r in rows if r["phase"] == phase}):
+            base, cells = by.get(("base", phase, L)), []
             for v in variants:
                 r = by.get((v, phase, L))
-                if r is None:
-                    cells.append("")
+                if r is None or r["status"] != "ok":
+                    cells.append("" if r is None else r["status"])
                     continue
-                if r.get("status", "ok") != "ok":
-                    cells.append(r.get("status", ""))
-                    continue
-                tps = _num(r["tokens_per_s"])
+                tps = num(r["tokens_per_s"])
                 cell = f"{tps:,.1f}"
-                if base is not None and v != "base" and base.get("status", "ok") == "ok":
-                    cell += f" ({tps / _num(base['tokens_per_s']):.2f}×)"
+                if base is not None and v != "base" and base["status"] == "ok":
+                    cell += f" ({tps / num(base['tokens_per_s']):.2f}×)"
                 cells.append(cell)
             table.append({"seq_len": L, "cells": cells})
         phases[phase] = table
@@ -198,53 +173,57 @@ def throughput_tables(path) -> dict:
     for L in sorted({int(r["seq_len"]) for r in rows}):
         cells = []
         for v in variants:
-            r = by.get((v, "decode", L)) or by.get((v, "prefill", L))
-            if r is None or r.get("status", "ok") != "ok":
-                cells.append("" if r is None else r.get("status", ""))
-            else:
-                cells.append(f"{_bytes(r.get('peak_mem_bytes'))} / {_bytes(r.get('cache_bytes'))}")
+            r = by.get((v, "prefill", L))
+            ok = r is not None and r["status"] == "ok"
+            status = "" if r is None else r["status"]
+            cells.append(f"{_mib(r['peak_mem_bytes'])} / {_mib(r['cache_bytes'])}" if ok else status)
         memory.append({"seq_len": L, "cells": cells})
-    return {"variants": variants, "device_name": device_name, "phases": phases, "memory": memory}
+    return {"variants": variants, "phases": phases, "memory": memory}
 
 
 # ------------------------------------------------------------------------------------ quality
 
 
-def quality_tables(perplexity_csv, passkey_csv) -> dict:
-    ppl = _read_csv(perplexity_csv) if perplexity_csv else []
-    pk = _read_csv(passkey_csv) if passkey_csv else []
-    stages = sorted({r["stage"] for r in ppl + pk}, key=_stage_key)
-    nll = {(r["stage"], int(r["context_len"])): r for r in ppl}
-    ppl_rows = []
-    for L in sorted({int(r["context_len"]) for r in ppl}):
+def quality_tables(res: Results, model: str, device: str) -> dict:
+    """The tables behind the quality figures of one (model, device): NLL with the paired difference
+    to base, passkey accuracy, and the component diagnostic."""
+    def tables(kind: str) -> dict[str, list[dict]]:
+        return {v: rows for (m, v, d), rows in sorted(getattr(res, kind).items()) if m == model and d == device}
+
+    ppl = stage_rows(tables("perplexity"))
+    base = next((rows for v, s, rows in ppl if s == "base"), [])
+    nll = []
+    for L in res.context_lens("perplexity", model, device):
         cells = []
-        for s in stages:
-            r = nll.get((s, L))
-            cells.append(f"{_fmt(r['nll'])} ({_fmt(r['ppl'], '.2f')})" if r else "")
-        ppl_rows.append({"context_len": L, "cells": cells})
-    acc = defaultdict(list)
-    for r in pk:
-        acc[r["stage"], int(r["context_len"])].append((_num(r["depth"]), _num(r["accuracy"]), int(_num(r["n"]))))
-    pk_rows = []
-    for L in sorted({int(r["context_len"]) for r in pk}):
+        for variant, stage, rows in ppl:
+            r = next((r for r in rows if int(r["context_len"]) == L), None)
+            d = nll_delta(rows, base, L) if stage != "base" else None
+            delta = f" ({plus_minus(d['diff'], d['stderr'])})" if d else ""
+            cells.append("" if r is None else f"{r['nll']:.3f}{delta}")
+        nll.append({"context_len": L, "cells": cells})
+
+    pk = stage_rows(tables("passkey"))
+    passkey = []
+    for L in res.context_lens("passkey", model, device):
         cells = []
-        for s in stages:
-            cell = sorted(acc.get((s, L), []))
-            if not cell:
-                cells.append("")
-                continue
-            mean = sum(a for _, a, _ in cell) / len(cell)
-            detail = " / ".join(f"{a:.2f}" for _, a, _ in cell)
-            cells.append(f"{mean:.2f} [{detail}]")
-        pk_rows.append({"context_len": L, "cells": cells})
-    depths = sorted({_num(r["depth"]) for r in pk})
+        for _, _, rows in pk:
+            p = passkey_at(rows, L)
+            cells.append("" if p is None else f"{p['accuracy']:.0%} ({p['found']}/{p['trials']})")
+        passkey.append({"context_len": L, "cells": cells})
+
+    comp = stage_rows(tables("components"))
+    comp_lens = res.context_lens("components", model, device)
+    components = []
+    for variant, stage, rows in comp:
+        for layer in sorted({r["layer"] for r in rows}):
+            share = {r["context_len"]: r["window_share"] for r in rows if r["layer"] == layer}
+            components.append({"stage": stage_label(variant, stage), "layer": layer,
+                               "cells": [_pct(share.get(L)) for L in comp_lens]})
     return {
-        "stages": [STAGE_LABELS.get(s, s) for s in stages],
-        "perplexity": ppl_rows,
-        "passkey": pk_rows,
-        "depths": ", ".join(f"{d:g}" for d in depths),
-        "ppl_rows_raw": [{**r} for r in ppl],
-        "pk_rows_raw": [{**r} for r in pk],
+        "nll_columns": [stage_label(v, s) for v, s, _ in ppl], "nll": nll,
+        "passkey_columns": [stage_label(v, s) for v, s, _ in pk], "passkey": passkey,
+        "depths": ", ".join(f"{d:g}" for d in sorted({r["depth"] for _, _, rows in pk for r in rows})),
+        "components_lens": comp_lens, "components": components,
     }
 
 
@@ -254,7 +233,8 @@ def quality_tables(perplexity_csv, passkey_csv) -> dict:
 def git_info(repo: str | Path) -> dict:
     def run(*args: str) -> str:
         try:
-            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20)
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=20,
+                                 check=False)
         except (OSError, subprocess.SubprocessError):
             return ""
         return out.stdout.strip() if out.returncode == 0 else ""
@@ -284,39 +264,29 @@ def benchmark_rows(directory) -> list[dict]:
     directory = Path(directory)
     rows = []
     for path in sorted(directory.rglob("*.tsv")) if directory.is_dir() else []:
-        data = _read_csv_tsv(path)
-        if not data:
-            continue
-        rows.append({
-            "job": str(path.relative_to(directory).with_suffix("")),
-            "s": _num(data[-1].get("s")),
-            "max_rss_mb": _num(data[-1].get("max_rss")),
-        })
+        data = _read_csv(path, delimiter="\t")
+        if data:
+            rows.append({"job": str(path.relative_to(directory).with_suffix("")),
+                         "s": num(data[-1].get("s")), "max_rss_mb": num(data[-1].get("max_rss"))})
     return rows
-
-
-def _read_csv_tsv(path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f, delimiter="\t"))
 
 
 def manifest_summary(path) -> dict:
     """A manifest without its long per-document hash list (the count stays)."""
     data = _read_json(path)
-    out = {}
-    for key, value in data.items():
-        if key == "doc_hashes":
-            out["doc_hashes"] = f"{len(value)} document sha256 hashes"
-        else:
-            out[key] = value
-    return {"path": str(path), "items": out}
+    items = {k: (f"{len(v)} document sha256 hashes" if k == "doc_hashes" else v) for k, v in data.items()}
+    return {"path": str(path), "items": items}
 
 
 # ------------------------------------------------------------------------------------ report
 
 
-def _parse_plot(path: Path) -> dict:
-    return {"name": path.stem, "src": embed_image(path)}
+def _existing(files: Iterable, missing: list[str]) -> list[Path]:
+    """The files that exist; the others are added to ``missing`` (the page lists them)."""
+    out = []
+    for f in map(Path, files):
+        (out.append(f) if f.is_file() else missing.append(f.as_posix()))
+    return out
 
 
 def build_context(
@@ -334,123 +304,117 @@ def build_context(
     repo_dir: str | Path = ".",
 ) -> dict:
     """Everything the template shows, as plain strings/lists (no file access in the template)."""
-    from hybrid_llama.report.summary import summarize
+    pipe = Pipeline(config, repo_dir)
+    res = Results.load([*mmlu, *quality, *throughput])
+    missing = res.missing
+    plots_by_name = {}
+    for p in _existing(plots, missing):
+        name, w = parse_result_path(p)
+        plots_by_name[(name, *(w.get(k) for k in ("model", "variant", "device", "fmt")))] = embed_image(p)
 
-    mmlu_table, pairs = mmlu_rows(mmlu)
-    plots_by_path = {Path(p).as_posix(): _parse_plot(Path(p)) for p in plots}
+    def plot(name: str, model: str, variant: str | None = None, device: str | None = None,
+             fmt: str | None = None) -> str | None:
+        return plots_by_name.get((name, model, variant, device, fmt))
 
-    def plot(name: str, **wildcards) -> dict | None:
-        """The embedded plot of artifact ``name`` (a PATHS key), if it was an input."""
-        want = path(name, **wildcards)
-        return next((v for k, v in plots_by_path.items() if k == want or k.endswith("/" + want)), None)
-
-    qual = defaultdict(dict)
-    for p in quality:
-        w = parse_result_path(p, ["quality"])[1]
-        qual[w["model"], w["variant"], w["device"]][w["kind"]] = Path(p)
-    quality_sections, summary = [], []
-    for (model, variant, device), files in sorted(qual.items()):
-        tables = quality_tables(files.get("perplexity"), files.get("passkey"))
-        sentences = summarize(tables["ppl_rows_raw"], tables["pk_rows_raw"], None)
-        summary += [f"{model}/{variant} on {device}: {s}" for s in sentences]
-        quality_sections.append({
-            "model": model, "variant": variant, "device": device, **tables,
-            "nll_plot": plot("plot_nll", model=model, variant=variant, device=device),
-            "passkey_plot": plot("plot_passkey", model=model, variant=variant, device=device),
+    heads = headlines(pipe, res)
+    glance = []
+    for h in heads:
+        glance.append({
+            "id": h.id, "model": h.model, "device": h.device, "device_name": h.device_name, "lengths": h.lengths,
+            "window": h.window, "mmlu_headers": h.mmlu_headers,
+            "rows": [{"label": r.label, "shared": r.slot in SHARED_STAGES, "cells": r.cells} for r in h.rows],
+            "summary": summarize(h, res),
         })
-    summary += summarize(None, None, pairs)
 
-    throughput_sections = []
-    for p in throughput:
-        w = parse_result_path(p, ["throughput"])[1]
-        model, device = w["model"], w["device"]
-        throughput_sections.append({
-            "model": model, "device": device, **throughput_tables(p),
-            "plot": plot("plot_throughput", model=model, device=device),
-            "memory_plot": plot("plot_memory", model=model, device=device),
-        })
+    mmlu_table, subject_tables = mmlu_rows(res), mmlu_subject_tables(res)
+    sections = []
+    for model in pipe.models:
+        for device in pipe.devices:
+            speed = res.throughput.get((model, device))
+            sections.append({
+                "model": model, "device": device,
+                "ids": {k: anchor(k, model, device) for k in ("nll", "passkey", "components", "throughput",
+                                                                "memory", "mmlu")},
+                "nll_plot": plot("plot_nll", model, device=device),
+                "passkey_plot": plot("plot_passkey", model, device=device),
+                "components_plot": plot("plot_components", model, device=device),
+                "throughput_plot": plot("plot_throughput", model, device=device),
+                "memory_plot": plot("plot_memory", model, device=device),
+                "quality": quality_tables(res, model, device),
+                "speed": throughput_tables(speed) if speed else None,
+                "mmlu": [r for r in mmlu_table if (r["model"], r["device"]) == (model, device)],
+                "mmlu_subjects": [t for t in subject_tables if (t["model"], t["device"]) == (model, device)],
+            })
 
     transfer_sections = []
-    for p in transfer_metrics:
+    for p in _existing(transfer_metrics, missing):
         w = parse_result_path(p, ["transfer_metrics"])[1]
-        model, variant = w["model"], w["variant"]
         m = _read_json(p)
         before, after = m.get("mse_before") or {}, m.get("mse_after") or {}
         layers = sorted(set(before) | set(after), key=lambda x: int(x) if str(x).isdigit() else 0)
         transfer_sections.append({
-            "model": model, "variant": variant,
+            "model": w["model"], "variant": w["variant"],
             "layers": [{"layer": k, "before": _fmt(before.get(k), ".4g"), "after": _fmt(after.get(k), ".4g"),
-                        "ratio": _fmt(_num(after.get(k)) / _num(before.get(k)), ".3f")} for k in layers],
+                        "ratio": _fmt(num(after.get(k)) / num(before.get(k)), ".3f")} for k in layers],
             "facts": {k: m.get(k) for k in ("steps", "train_tokens", "tokens_per_s", "wall_time_s",
                                             "trainable", "num_trainable_params") if k in m},
-            "plot": plot("plot_transfer_loss", model=model, variant=variant),
+            "plot": plot("plot_transfer_loss", w["model"], w["variant"]),
         })
-
     lora_sections = []
-    for p in lora_metrics:
+    for p in _existing(lora_metrics, missing):
         w = parse_result_path(p, ["lora_metrics"])[1]
-        model, slot = w["model"], w["variant"]
         m = _read_json(p)
         lora_sections.append({
-            "model": model, "variant": slot,
-            "facts": {k: m.get(k) for k in ("val_loss_before", "val_loss_after", "train_loss_final", "steps",
-                                            "tokens_per_s", "wall_time_s") if k in m},
-            "plot": plot("plot_lora_loss", model=model, variant=slot),
+            "model": w["model"], "variant": w["variant"],
+            "facts": {k: m.get(k) for k in ("objective", "val_metric", "val_loss_before", "val_loss_after",
+                                            "train_loss_final", "steps", "tokens_per_s", "wall_time_s") if k in m},
+            "plot": plot("plot_lora_loss", w["model"], w["variant"]),
         })
 
     gens = defaultdict(lambda: defaultdict(dict))
-    for p in generations:
-        g = _read_json(p)
-        label = STAGE_LABELS.get(g.get("stage"), g.get("stage"))
-        if g.get("stage") in ("transfer", "transfer_lora"):
-            label += f" [{g.get('variant')}]"
-        for s in g.get("samples", []):
-            gens[g.get("model")][s["prompt"]][(_stage_key(g.get("stage")), label)] = s["completion"]
+    for p in _existing(generations, missing):
+        w = parse_result_path(p, ["generations"])[1]
+        order = (w["variant"] not in SHARED_STAGES, w["variant"], STAGES.index(w["stage"]))
+        for s in _read_json(p).get("samples", []):
+            gens[w["model"]][s["prompt"]][order] = (_stage_name(w["variant"], w["stage"]), s["completion"])
     generation_sections = [
         {"model": model, "prompts": [
-            {"prompt": prompt, "stages": [{"label": lab, "text": txt} for (_, lab), txt in sorted(by_stage.items())]}
+            {"prompt": prompt, "stages": [{"label": lab, "text": txt} for _, (lab, txt) in sorted(by_stage.items())]}
             for prompt, by_stage in prompts.items()]}
         for model, prompts in gens.items()
     ]
 
-    devices = set()
-    for p in mmlu:
-        r = _read_json(p)
-        devices.add((_device(r), r.get("device_name")))
-    for t in throughput_sections:
-        devices.add((t["device"], t["device_name"]))
-    result_versions = set()
-    for p in mmlu:
-        r = _read_json(p)
-        result_versions.add(tuple((k, r.get(k)) for k in ("lm_eval_version", "torch_version", "transformers_version")))
-
+    devices = {(k[2], r.get("device_name")) for k, r in res.mmlu.items()}
+    devices |= {(d, r.get("device_name")) for (_, d), rows in res.throughput.items() for r in rows[:1]}
+    result_versions = {tuple((k, r.get(k)) for k in ("lm_eval_version", "torch_version", "transformers_version"))
+                       for r in res.mmlu.values()}
     bench = benchmark_rows(benchmarks_dir)
     variants_cfg = [
-        {"name": v["name"], "description": v.get("description", ""),
-         **{k: v["hybrid"].get(k) for k in ("layers", "window", "formulation", "feature_map", "backend")},
-         "transfer": v.get("transfer") or {}, "lora": v.get("lora") or {}}
-        for v in config.get("variants", [])
+        {"name": v, "description": spec.get("description", ""), "stages": pipe.variant_stages(v),
+         **{k: pipe.hybrid(v).get(k) for k in ("layers", "window", "formulation", "feature_map", "backend")},
+         "transfer": spec.get("transfer") or {}, "lora": spec.get("lora") or {}}
+        for v, spec in pipe.variants.items()
     ]
     return {
         "title": "hybrid-llama results",
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "models": [m.get("name") for m in config.get("models", [])],
-        "summary": summary,
+        "models": list(pipe.models),
+        "glance": glance,
+        "missing": missing,
+        "sections": sections,
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
-        "mmlu": mmlu_table,
-        "mmlu_plots": [v for k, v in sorted(plots_by_path.items()) if parse_result_path(k)[0] == "plot_mmlu"],
+        "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
+                       if k[0] == "plot_mmlu"],
         "chance": CHANCE,
-        "throughput": throughput_sections,
         "transfer": transfer_sections,
         "lora": lora_sections,
-        "quality": quality_sections,
         "generations": generation_sections,
         "git": git_info(repo_dir),
         "packages": package_versions(),
         "result_versions": [dict(v) for v in sorted(result_versions, key=repr)],
         "devices": sorted(devices, key=repr),
-        "manifests": [manifest_summary(p) for p in manifests],
+        "manifests": [manifest_summary(p) for p in _existing(manifests, missing)],
         "benchmarks": [{**b, "s": _fmt(b["s"], ".1f"), "max_rss_mb": _fmt(b["max_rss_mb"], ".0f")} for b in bench],
         "total_wall_s": _fmt(sum(b["s"] for b in bench if not math.isnan(b["s"])), ".0f"),
     }

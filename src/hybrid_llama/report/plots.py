@@ -12,15 +12,17 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator
 
 from hybrid_llama.eval.mmlu import CHANCE
+from hybrid_llama.report.results import crossover
 
 
-def _save(fig: Figure, out_stem: str | Path) -> list[Path]:
+def save_figure(fig: Figure, out_stem: str | Path) -> list[Path]:
     stem = Path(out_stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".svg")]
@@ -35,10 +37,10 @@ def _devices(values: Iterable) -> str:
     return ", ".join(names) if names else "unknown device"
 
 
-def _log2_axis(ax) -> None:
+def log2_axis(ax) -> None:
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(LogLocator(base=2, numticks=20))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"$2^{{{int(round(math.log2(x)))}}}$" if x > 0 else ""))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"$2^{{{round(math.log2(x))}}}$" if x > 0 else ""))
 
 
 def _read_throughput(csv_path) -> pd.DataFrame:
@@ -67,67 +69,78 @@ def _header(df: pd.DataFrame) -> str:
     return ", ".join(parts)
 
 
+def _style(variant: str, k: int) -> dict:
+    """Base black and dashed (the reference on every figure), variants in colour."""
+    return {"color": "black", "ls": "--", "lw": 1.8} if variant == "base" else {"color": f"C{k % 10}", "ls": "-"}
+
+
 def plot_throughput(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None) -> list[Path]:
-    """2x2: prefill/decode (rows) x tokens/s, s/token (columns) vs prompt length; one line per variant."""
+    """Prefill and decode tokens/s vs prompt length, log-log, one line per variant and backend; an
+    'x' marks where a variant overtakes base."""
     df = _read_throughput(csv_path)
-    fig = Figure(figsize=(11, 8), layout="constrained")
-    axes = fig.subplots(2, 2)
-    ylabels = {"tokens_per_s": "throughput (tokens/s)", "s_per_token": "latency (s/token)"}
-    for i, phase in enumerate(("prefill", "decode")):
-        for j, col in enumerate(("tokens_per_s", "s_per_token")):
-            ax = axes[i][j]
-            for variant in df["variant"].unique():
-                g = df[(df["variant"] == variant) & (df["phase"] == phase) & (df["status"] == "ok")]
-                g = g.sort_values("seq_len")
-                if len(g):
-                    ax.plot(g["seq_len"], g[col], marker="o", ms=3, label=_variant_label(df, variant))
-            _log2_axis(ax)
-            ax.set_yscale("log")
-            ax.set_xlabel("prompt length (tokens)")
-            ax.set_ylabel(ylabels[col])
-            what = "prefill" if phase == "prefill" else "decode (after a prompt of that length)"
-            ax.set_title(what)
-            ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title or f"Throughput vs prompt length: {_header(df)}")
-    return _save(fig, out_stem)
+    ok = df[df["status"] == "ok"]
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    axes = fig.subplots(1, 2)
+    titles = {"prefill": "prefill (whole prompt)", "decode": "decode (after a prompt of that length)"}
+    for ax, phase in zip(axes, ("prefill", "decode")):
+        base = ok[(ok["variant"] == "base") & (ok["phase"] == phase)].set_index("seq_len")["tokens_per_s"]
+        for k, variant in enumerate(df["variant"].unique()):
+            g = ok[(ok["variant"] == variant) & (ok["phase"] == phase)].sort_values("seq_len")
+            if not len(g):
+                continue
+            line = ax.plot(g["seq_len"], g["tokens_per_s"], marker="o", ms=3, label=_variant_label(df, variant),
+                           **_style(variant, k))[0]
+            shared = [n for n in g["seq_len"] if n in base.index]
+            ratio = [float(g.set_index("seq_len").loc[n, "tokens_per_s"] / base[n]) for n in shared]
+            cross = crossover(shared, ratio) if variant != "base" else None
+            if cross is not None:
+                y = float(np.exp(np.interp(np.log(cross), np.log(g["seq_len"]), np.log(g["tokens_per_s"]))))
+                ax.plot([cross], [y], marker="x", ms=10, mew=2, color=line.get_color(), ls="none")
+                ax.annotate(f"≈{cross:,.0f}", (cross, y), xytext=(4, 6), textcoords="offset points", fontsize=7,
+                            color=line.get_color())
+        log2_axis(ax)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length (tokens, log scale)")
+        ax.set_ylabel("throughput (tokens/s, log scale)")
+        ax.set_title(titles[phase])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or f"Throughput vs prompt length: {_header(df)} (x: crossover with base)")
+    return save_figure(fig, out_stem)
 
 
 def plot_memory(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None) -> list[Path]:
-    """Peak memory (prefill solid, decode dashed) and cache size vs prompt length, per variant."""
+    """Generation cache size after prefill (log-log) and peak memory vs prompt length, per variant."""
     df = _read_throughput(csv_path)
     ok = df[df["status"] == "ok"]
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
-    ax_mem, ax_cache = fig.subplots(1, 2)
+    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    ax_cache, ax_mem = fig.subplots(1, 2)
     method = ", ".join(sorted(df["mem_method"].dropna().astype(str).unique())) if "mem_method" in df else ""
     big = ok["peak_mem_bytes"].max() > 4 * 2**30 if len(ok) else False
     unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
     for k, variant in enumerate(df["variant"].unique()):
-        color = f"C{k % 10}"
-        for phase, style in (("prefill", "-"), ("decode", "--")):
-            g = ok[(ok["variant"] == variant) & (ok["phase"] == phase)].sort_values("seq_len")
-            if len(g):
-                ax_mem.plot(g["seq_len"], g["peak_mem_bytes"] / scale, ls=style, color=color, marker="o", ms=3,
-                            label=f"{_variant_label(df, variant)} {phase}")
+        style = _style(variant, k)
         g = ok[(ok["variant"] == variant) & (ok["phase"] == "prefill")].sort_values("seq_len")
+        label = _variant_label(df, variant)
         if "cache_bytes" in g and g["cache_bytes"].notna().any():
-            ax_cache.plot(g["seq_len"], g["cache_bytes"] / 2**20, color=color, marker="o", ms=3,
-                          label=_variant_label(df, variant))
-    for ax in (ax_mem, ax_cache):
-        _log2_axis(ax)
-        ax.set_xlabel("prompt length (tokens)")
+            ax_cache.plot(g["seq_len"], g["cache_bytes"], marker="o", ms=3, label=label, **style)
+        if len(g):
+            ax_mem.plot(g["seq_len"], g["peak_mem_bytes"] / scale, marker="o", ms=3, label=label, **style)
+    for ax in (ax_cache, ax_mem):
+        log2_axis(ax)
+        ax.set_xlabel("prompt length (tokens, log scale)")
         ax.grid(True, which="both", alpha=0.3)
-    ax_cache.set_yscale("log")  # KV grows linearly, the hybrid state is flat: spans decades
-    ax_mem.set_ylim(bottom=0)
-    ax_mem.set_ylabel(f"peak memory ({unit})")
-    ax_mem.set_title(f"peak memory{' (' + method + ')' if method else ''}")
-    ax_cache.set_ylabel("cache size after prefill (MiB)")
+    ax_cache.set_yscale("log")  # the KV cache grows linearly, the hybrid state stays flat: decades apart
+    ax_cache.set_ylabel("cache after prefill (bytes, log scale)")
     ax_cache.set_title("generation cache (KV / hybrid state)")
-    ax_mem.legend(fontsize=7)
-    if ax_cache.lines:
-        ax_cache.legend(fontsize=7)
+    ax_mem.set_ylim(bottom=0)
+    ax_mem.set_ylabel(f"peak memory during prefill ({unit})")
+    ax_mem.set_title(f"peak memory{' (' + method + ')' if method else ''}, weights included")
+    for ax in (ax_cache, ax_mem):
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.suptitle(title or f"Memory vs prompt length: {_header(df)}")
-    return _save(fig, out_stem)
+    return save_figure(fig, out_stem)
 
 
 def _mmlu_label(res: dict) -> tuple[str, str]:
@@ -177,7 +190,7 @@ def plot_mmlu(json_paths: list[str | Path], out_stem: str | Path, *, metric: str
     ax.legend(fontsize=8)
     devices = _devices(r.get("device_name") for r in results)
     ax.set_title(title or f"MMLU accuracy: {devices}")
-    return _save(fig, out_stem)
+    return save_figure(fig, out_stem)
 
 
 def _device_for(csv_path: Path, device: str | None) -> str:
@@ -208,7 +221,7 @@ def plot_transfer_loss(csv_path: str | Path, out_stem: str | Path, *, title: str
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2 if df["layer"].nunique() > 8 else 1)
     ax.set_title(title or f"Attention transfer loss per layer: {_device_for(csv_path, device)}")
-    return _save(fig, out_stem)
+    return save_figure(fig, out_stem)
 
 
 def plot_lora_loss(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None,
@@ -226,4 +239,4 @@ def plot_lora_loss(csv_path: str | Path, out_stem: str | Path, *, title: str | N
     ax.grid(True, alpha=0.3)
     ax.legend()
     ax.set_title(title or f"LoRA fine-tuning loss: {_device_for(csv_path, device)}")
-    return _save(fig, out_stem)
+    return save_figure(fig, out_stem)

@@ -1,81 +1,116 @@
-"""Quality plots: NLL vs context length and passkey heatmaps (matplotlib, Agg backend)."""
+"""Quality figures with every variant on one axis: NLL vs context, passkey accuracy vs context and
+the component diagnostic (the window's share of each hybrid layer's normalizer).
+
+Each function takes ``{variant: rows}`` (the rows of that variant's quality table, which repeats the
+shared stages base and base_lora) and writes ``<out_stem>.png`` and ``.svg``. Colours follow the
+variant, line styles and markers the stage; base is black and dashed.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from hybrid_llama.pipeline import STAGE_LABELS, STAGES
+from hybrid_llama.report.plots import log2_axis, save_figure
+from hybrid_llama.report.results import passkey_at, stage_rows
 
-from hybrid_llama.eval.quality import read_passkey_csv, read_perplexity_csv  # noqa: E402
-
-
-def _rows(rows_or_csv, reader) -> list[dict]:
-    if isinstance(rows_or_csv, (str, Path)):
-        return reader(rows_or_csv)
-    return list(rows_or_csv)
+STAGE_STYLE = {"converted": (":", "v"), "transfer": ("-.", "s"), "transfer_lora": ("-", "o")}
+SHARED_STYLE = {"base": {"color": "black", "ls": "--", "marker": "o", "lw": 1.8},
+                "base_lora": {"color": "0.55", "ls": "--", "marker": "^"}}
 
 
-def _save(fig, out_stem: str | Path) -> list[Path]:
-    out_stem = Path(out_stem)
-    out_stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out_stem.with_suffix(".png"), out_stem.with_suffix(".svg")]
-    for p in paths:
-        fig.savefig(p, dpi=120 if p.suffix == ".png" else None, bbox_inches="tight")
-    plt.close(fig)
-    return paths
+def stage_label(variant: str | None, stage: str) -> str:
+    return STAGE_LABELS[stage] if variant is None else f"{variant} · {STAGE_LABELS[stage].removeprefix('hybrid ')}"
 
 
-def plot_nll_vs_context(
-    rows_or_csv, out_stem: str | Path, *, device: str, tail: int = 64, window: int | None = None
-) -> list[Path]:
-    """One line per stage: mean NLL of the last `tail` tokens vs context length (log2 x).
+def _lines(tables: dict[str, list[dict]]):
+    """(label, style, rows) per line: colour by variant, line style and marker by stage."""
+    colors = {v: f"C{k % 10}" for k, v in enumerate(tables)}
+    for variant, stage, rows in stage_rows(tables):
+        if variant is None:
+            yield stage_label(None, stage), SHARED_STYLE[stage], rows
+        else:
+            ls, marker = STAGE_STYLE.get(stage, ("-", "o"))
+            yield stage_label(variant, stage), {"color": colors[variant], "ls": ls, "marker": marker}, rows
 
-    `window`: the hybrid's softmax window, drawn as a dashed vertical line when given.
-    """
-    rows = _rows(rows_or_csv, read_perplexity_csv)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        pts = sorted((int(r["context_len"]), float(r["nll"])) for r in rows if r["stage"] == stage)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=stage)
-    if window:
-        ax.axvline(window, color="gray", linestyle="--", linewidth=1, label=f"softmax window ({window})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens, log2)")
-    ax.set_ylabel(f"NLL of the last {tail} tokens (nats/token)")
-    ax.set_title(f"Held-out NLL vs context length — {device}")
+
+def _windows(ax, windows: dict[str, int] | None) -> None:
+    for w in sorted(set((windows or {}).values())):
+        ax.axvline(w, color="0.4", ls=(0, (1, 3)), lw=1)
+        ax.annotate(f"window {w}", (w, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=7, color="0.3")
+
+
+def plot_nll(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str,
+             windows: dict[str, int] | None = None) -> list[Path]:
+    """Held-out NLL of the last tokens vs context length (log x), every stage of every variant."""
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    for label, style, rows in _lines(tables):
+        pts = sorted((int(r["context_len"]), float(r["nll"])) for r in rows)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4, label=label, **style)
+    _windows(ax, windows)
+    log2_axis(ax)
+    ax.set_xlabel("context length (tokens, log scale)")
+    ax.set_ylabel("NLL of the scored tail tokens (nats/token)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title="stage")
-    return _save(fig, out_stem)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    return save_figure(fig, out_stem)
 
 
-def plot_passkey_heatmap(rows_or_csv, out_stem: str | Path, *, device: str) -> list[Path]:
-    """One panel per stage: passkey accuracy by context length (x) and key depth (y)."""
-    rows = _rows(rows_or_csv, read_passkey_csv)
-    stages = list(dict.fromkeys(r["stage"] for r in rows))
-    lens = sorted({int(r["context_len"]) for r in rows})
-    depths = sorted({float(r["depth"]) for r in rows})
-    fig, axes = plt.subplots(1, len(stages), figsize=(1.2 + 0.7 * len(lens) * len(stages) + 1.5 * len(stages), 3.6),
-                             squeeze=False, sharey=True)
-    image = None
-    for ax, stage in zip(axes[0], stages):
-        grid = np.full((len(depths), len(lens)), np.nan)
-        for r in rows:
-            if r["stage"] == stage:
-                grid[depths.index(float(r["depth"])), lens.index(int(r["context_len"]))] = float(r["accuracy"])
-        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", origin="lower", aspect="auto")
-        for (i, j), v in np.ndenumerate(grid):
-            if not np.isnan(v):
-                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
-        ax.set_xticks(range(len(lens)), [str(L) for L in lens], rotation=45)
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_title(stage)
-        ax.set_xlabel("context length (tokens)")
-    axes[0][0].set_ylabel("key depth (share of filler before it)")
-    fig.suptitle(f"Passkey retrieval accuracy — {device}")
-    if image is not None:
-        fig.colorbar(image, ax=axes[0].tolist(), label="accuracy", shrink=0.9)
-    return _save(fig, out_stem)
+def plot_passkey(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str,
+                 windows: dict[str, int] | None = None) -> list[Path]:
+    """Passkey accuracy (all depths pooled) vs context length (log x), every stage of every variant."""
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    for label, style, rows in _lines(tables):
+        lens = sorted({int(r["context_len"]) for r in rows})
+        acc = [100 * passkey_at(rows, L)["accuracy"] for L in lens]
+        ax.plot(lens, acc, ms=4, label=label, **style)
+    _windows(ax, windows)
+    log2_axis(ax)
+    ax.set_ylim(-5, 105)
+    ax.set_xlabel("context length (tokens, log scale)")
+    ax.set_ylabel("passkey retrieved (% of trials, all depths)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+    return save_figure(fig, out_stem)
+
+
+def plot_components(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str) -> list[Path]:
+    """One panel per hybrid (variant, stage): the window's share of the normalizer per layer, one
+    line per measured context length. 1 = the layer acts as window-only attention."""
+    panels = [(v, s, [r for r in rows if r["stage"] == s])
+              for v, rows in tables.items() for s in sorted({r["stage"] for r in rows}, key=STAGES.index)]
+    cols = min(3, max(1, len(panels)))
+    nrows = max(1, -(-len(panels) // cols))
+    fig = Figure(figsize=(4.2 * cols, 3.2 * nrows + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, cols, squeeze=False, sharey=True)
+    lens = sorted({int(r["context_len"]) for _, _, rows in panels for r in rows})
+    colors = {L: f"C{i % 10}" for i, L in enumerate(lens)}
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "no hybrid stage was measured", ha="center", va="center")
+    for ax, (variant, stage, rows) in zip(axes.flat, panels):
+        for L in lens:
+            pts = sorted((int(r["layer"]), float(r["window_share"])) for r in rows if int(r["context_len"]) == L)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=colors[L],
+                        label=f"{L} tokens")
+        layers = sorted({int(r["layer"]) for r in rows})
+        ax.set_xticks(layers)
+        ax.set_xlim(layers[0] - 0.5, layers[-1] + 0.5)
+        ax.axhline(1.0, color="0.5", ls=":", lw=1)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(stage_label(variant, stage), fontsize=9)
+        ax.set_xlabel("hybrid layer index")
+        ax.set_ylabel("window share of normalizer")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, title="context", title_fontsize=7)
+    fig.suptitle(title)
+    return save_figure(fig, out_stem)

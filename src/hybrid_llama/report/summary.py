@@ -1,142 +1,169 @@
-"""Report summary sentences generated from the quality numbers (nothing is hard-coded).
-
-Inputs are the rows of perplexity.csv / passkey.csv (see hybrid_llama.eval.quality) and MMLU
-comparisons from `hybrid_llama.eval.quality.paired_difference`, each with a `label`.
+"""The report's summary: at most eight short sentences per (model, device), each one finding with its
+number and uncertainty, generated from the headline table and the result files (nothing is written
+by hand, except the published reference point for passkey).
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 from hybrid_llama.eval.mmlu import CHANCE
+from hybrid_llama.report.headline import Headline, Row, plus_minus
+from hybrid_llama.report.results import Results, crossover, nll_delta, speed_ratios
+
+MAX_SENTENCES = 8
+PASSKEY_REFERENCE = (
+    "published LoLCATs models score 0.6 % on RULER passkey at 4K (as reported by LoLA, arXiv 2505.23666), "
+    "so a low number is expected; retrieval is a later goal"
+)
 
 
-def _stages(rows: list[dict]) -> list[str]:
-    return list(dict.fromkeys(r["stage"] for r in rows))
+def _name(row: Row) -> str:
+    return "base + LoRA" if row.slot == "base_lora" else row.slot
 
 
-def _by_stage(rows: list[dict], key: str, value: str) -> dict[str, dict]:
-    out: dict[str, dict] = defaultdict(dict)
-    for r in rows:
-        out[r["stage"]][int(r[key])] = float(r[value])
+def _listing(head: Headline, column: str, fmt, skip: tuple[str, ...] = ("base",)) -> list[str]:
+    """'name value' for every row but ``skip`` whose cell in ``column`` was measured."""
+    parts = []
+    for row in head.rows:
+        cell = row.cells[head.columns.index(column)]
+        if row.slot not in skip and cell.measured and cell.value is not None:
+            parts.append(f"{_name(row)} {fmt(cell)}")
+    return parts
+
+
+def _nll_text(cell) -> str:
+    return plus_minus(cell.value, cell.extra.get("stderr", math.nan))
+
+
+def nll_sentences(head: Headline) -> list[str]:
+    out = []
+    base = head.cell("base", "nll_longest")
+    longest = _listing(head, "nll_longest", _nll_text)
+    if longest:
+        ref = f" ({base.value:.2f} nats/token)" if base.measured else ""
+        n = next(r.cells[head.columns.index("nll_longest")].extra.get("n_windows") for r in head.rows
+                 if r.slot != "base" and r.cells[head.columns.index("nll_longest")].measured)
+        out.append(f"NLL at {head.lengths['nll']} tokens vs base{ref}, each variant at its final stage: "
+                   + ", ".join(longest) + f" nats (± paired stderr over {n} windows).")
+    window = _listing(head, "nll_window", _nll_text, skip=("base", "base_lora"))
+    if window and head.window != head.lengths["nll"]:
+        out.append(f"At {head.window} tokens, the window length (no key is older than the window yet), the gap is "
+                   + ", ".join(window) + " nats.")
     return out
 
 
-def perplexity_sentences(rows: list[dict], base_stage: str = "base") -> list[str]:
-    """Per stage: NLL gap to base at the shortest and longest shared context length, and how much
-    of the base model's gain from longer context the stage keeps."""
-    nll = _by_stage(rows, "context_len", "nll")
-    if base_stage not in nll:
-        return [f"Perplexity: no '{base_stage}' stage to compare with ({', '.join(nll) or 'no rows'})."]
-    base = nll[base_stage]
-    out = []
-    for stage in _stages(rows):
-        if stage == base_stage:
+def control_sentence(head: Headline, res: Results) -> str | None:
+    """Whether the best variant beats the window-only control at the longest context (paired over
+    the same windows), and the component diagnostic's window share of its layers."""
+    col = head.columns.index("nll_longest")
+    hybrids = [r for r in head.rows if r.formulation not in (None, "window") and r.cells[col].measured]
+    if not hybrids:
+        return None
+    best = min(hybrids, key=lambda r: r.cells[col].value)
+    L = head.lengths["nll"]
+    controls = [r for r in head.rows if r.formulation == "window"]
+    if not controls:
+        text = f"No window-only control is configured, so whether {best.slot}'s linear part is used is untested"
+    else:
+        ctrl = controls[0]
+        rows = [res.quality_rows("perplexity", head.model, head.device, r.stage, r.slot) for r in (best, ctrl)]
+        d = nll_delta(*rows, L)
+        if d is None:
+            text = f"The window-only control {ctrl.slot} has no NLL at {L} tokens to compare {best.slot} with"
+        else:
+            diff, se = d["diff"], d["stderr"]
+            vs = f"{plus_minus(diff, se)} nats at {L} tokens"
+            lead = f"{best.slot}, the best variant,"
+            if math.isnan(se):
+                text = f"{lead} is {vs} from the window-only control (one window, no stderr: undecided)"
+            elif diff < -2 * se:
+                text = f"{lead} beats the window-only control ({vs}), so its linear part is used"
+            elif diff > 2 * se:
+                text = f"{lead} is worse than the window-only control ({vs}), so its linear part hurts"
+            else:
+                text = (f"{lead} does not beat the window-only control ({vs}, within 2 stderr), "
+                        "so its linear part adds nothing measurable")
+    shares = [r for r in res.components.get((head.model, best.slot, head.device), []) if r["stage"] == best.stage]
+    if shares:
+        Lc = max(r["context_len"] for r in shares)
+        values = [r["window_share"] for r in shares if r["context_len"] == Lc and not math.isnan(r["window_share"])]
+        if values:
+            mean = sum(values) / len(values)
+            text += (f"; at {Lc} tokens its hybrid layers give the window {mean:.0%} of the attention normalizer "
+                     f"on average (layers {min(values):.0%}–{max(values):.0%})")
+            if mean > 0.95:
+                text += ", so they act almost as window-only attention"
+            elif mean < 0.05:
+                text += ", so the linear part drowns the window"
+    return text + "."
+
+
+def speed_sentence(head: Headline, res: Results) -> str | None:
+    L = head.lengths["throughput"]
+    rows = res.throughput.get((head.model, head.device))
+    if L is None or not rows:
+        return None
+    parts = []
+    for row in head.rows:
+        cells = {c: row.cells[head.columns.index(c)] for c in ("prefill", "decode", "cache")}
+        if row.slot in ("base", "base_lora") or not all(c.measured and c.value is not None for c in cells.values()):
             continue
-        lens = sorted(set(base) & set(nll[stage]))
-        if not lens:
-            continue
-        lo, hi = lens[0], lens[-1]
-        gaps = {L: nll[stage][L] - base[L] for L in lens}
-        s = (
-            f"{stage} is {gaps[lo]:+.3f} nats/token from {base_stage} at {lo} tokens of context "
-            f"(perplexity {math.exp(nll[stage][lo]):.2f} vs {math.exp(base[lo]):.2f})"
-        )
-        if hi != lo:
-            s += (
-                f" and {gaps[hi]:+.3f} at {hi} tokens "
-                f"(perplexity {math.exp(nll[stage][hi]):.2f} vs {math.exp(base[hi]):.2f})"
-            )
-            worst = max(lens, key=lambda L: gaps[L])
-            if worst not in (lo, hi):
-                s += f"; the gap is largest at {worst} tokens ({gaps[worst]:+.3f})"
-            gain_base = base[lo] - base[hi]
-            gain_stage = nll[stage][lo] - nll[stage][hi]
-            if gain_base > 1e-3:
-                s += (
-                    f"; going from {lo} to {hi} tokens lowers its NLL by {gain_stage:.3f} vs {gain_base:.3f} "
-                    f"for {base_stage}, so it keeps {gain_stage / gain_base:.0%} of {base_stage}'s gain from longer context"
-                )
-        out.append(s + ".")
-    # headline: at the longest length every stage reached, rank the stages by their gap to base
-    others = [st for st in _stages(rows) if st != base_stage]
-    shared = sorted(set(base).intersection(*(nll[st] for st in others))) if others else []
-    if shared:
-        hi = shared[-1]
-        ranked = sorted(others, key=lambda st: nll[st][hi] - base[hi])
-        parts = [
-            f"{st} ({nll[st][hi] - base[hi]:+.3f} nats/token, {math.exp(base[hi] - nll[st][hi]):.0%} of {base_stage}'s per-token probability)"
-            for st in ranked
-        ]
-        lead = f"At {hi} tokens of context, {parts[0]} comes closest to {base_stage}"
-        out.insert(0, lead + (", then " + ", ".join(parts[1:]) if parts[1:] else "") + ".")
-    return out
+        said = []
+        for phase, verb in (("prefill", "prefills"), ("decode", "decodes")):
+            said.append(f"{verb} at {cells[phase].value:.2f}×")
+            cross = crossover(*speed_ratios(rows, row.slot, phase))
+            if cross is not None:
+                said[-1] += f" (faster than base from about {cross:,.0f} tokens)"
+        parts.append(f"{row.slot} " + ", ".join(said) + f" and keeps {cells['cache'].value:.2f}× the cache")
+    if not parts:
+        return None
+    return f"At {L} tokens on {head.device_name}, relative to base: " + "; ".join(parts) + "."
 
 
-def passkey_sentences(rows: list[dict], base_stage: str = "base", threshold: float = 0.5) -> list[str]:
-    """Per stage: accuracy (mean over depths) at the longest length, and the longest length where
-    the mean accuracy still reaches `threshold`."""
-    cells: dict[str, dict[int, list[tuple[float, int]]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        cells[r["stage"]][int(r["context_len"])].append((float(r["accuracy"]), int(r["n"])))
-    # trial-weighted mean over depths
-    acc = {s: {L: sum(a * n for a, n in v) / max(1, sum(n for _, n in v)) for L, v in d.items()} for s, d in cells.items()}
-    trials = {s: {L: sum(n for _, n in v) for L, v in d.items()} for s, d in cells.items()}
-    out = []
-    for stage in _stages(rows):
-        lens = sorted(acc[stage])
-        hi = lens[-1]
-        ok = [L for L in lens if acc[stage][L] >= threshold]
-        s = f"Passkey: {stage} retrieves the key in {acc[stage][hi]:.0%} of {trials[stage][hi]} trials at {hi} tokens"
-        if stage != base_stage and hi in acc.get(base_stage, {}):
-            s += f" ({base_stage}: {acc[base_stage][hi]:.0%})"
-        s += (
-            f"; its longest context with at least {threshold:.0%} accuracy is {ok[-1]} tokens"
-            if ok
-            else f"; it stays below {threshold:.0%} at every length tested ({lens[0]}-{hi})"
-        )
-        out.append(s + ".")
-    return out
+def mmlu_sentence(head: Headline) -> str | None:
+    cols = [i for i, c in enumerate(head.columns) if c.startswith("mmlu_")]
+    found = []
+    for row in head.rows:
+        for (setting, _), i in zip(head.mmlu_headers, cols):
+            c = row.cells[i]
+            if row.slot != "base" and c.measured and c.extra:
+                found.append((row, setting, c.extra))
+    if not found:
+        return None
+    n = max(d["n"] for _, _, d in found)
+
+    def text(row: Row, setting: str, d: dict) -> str:
+        return f"{_name(row)} {setting} {plus_minus(100 * d['diff'], 100 * d['stderr_paired'], 1)} points"
+
+    sig = [text(*f) for f in found if f[2]["significant"]]
+    if sig:
+        out = f"MMLU ({n} questions per setting) differs significantly from base for " + ", ".join(sig)
+    else:
+        largest = max(found, key=lambda f: abs(f[2]["diff"]))
+        out = (f"MMLU ({n} questions per setting): no difference from base is significant (> 2 paired stderr); "
+               f"the largest is {text(*largest)}")
+    base = [d for _, _, d in found if abs(d["acc_b"] - CHANCE) <= 2 * d["stderr_b"]]
+    if base:
+        out += f", and base itself is within 2 stderr of chance ({CHANCE:.0%})"
+    return out + "."
 
 
-def mmlu_sentences(pairs: list[dict]) -> list[str]:
-    """One sentence per paired comparison (output of paired_difference plus a `label`)."""
-    out = []
-    for p in pairs:
-        label = p.get("label", "a vs b")
-        verdict = "significant" if p["significant"] else "not significant"
-        s = (
-            f"MMLU {label}: {p['acc_a']:.1%} ± {100 * p['stderr_a']:.1f} vs {p['acc_b']:.1%} ± {100 * p['stderr_b']:.1f} (± stderr), "
-            f"difference {100 * p['diff']:+.1f} points with paired stderr {100 * p['stderr_paired']:.1f} "
-            f"over {p['n']} questions: {verdict} (rule: |difference| > 2 paired stderr)"
-        )
-        near_chance = [
-            name for name, a, se in (("a", p["acc_a"], p["stderr_a"]), ("b", p["acc_b"], p["stderr_b"]))
-            if abs(a - CHANCE) <= 2 * se
-        ]
-        if len(near_chance) == 2:
-            s += f"; both are within 2 stderr of chance ({CHANCE:.0%})"
-        elif near_chance:
-            which = p["acc_a"] if near_chance[0] == "a" else p["acc_b"]
-            s += f"; {which:.1%} is within 2 stderr of chance ({CHANCE:.0%})"
-        out.append(s + ".")
-    return out
+def passkey_sentence(head: Headline) -> str | None:
+    L = head.lengths["passkey"]
+    cells = [(_name(r), r.cells[head.columns.index("passkey")]) for r in head.rows]
+    cells = [(n, c) for n, c in cells if c.measured]
+    if L is None or not cells:
+        return None
+    where = f"{L // head.window}× the {head.window}-token window" if head.window else "beyond the window"
+    accs = ", ".join(f"{n} {c.value:.0%}" for n, c in cells)
+    trials = cells[0][1].extra["trials"]
+    return f"Passkey retrieval at {L} tokens ({where}, {trials} trials each): {accs}; {PASSKEY_REFERENCE}."
 
 
-def summarize(
-    perplexity_rows: list[dict] | None = None,
-    passkey_rows: list[dict] | None = None,
-    mmlu_pairs: list[dict] | None = None,
-    *,
-    base_stage: str = "base",
-) -> list[str]:
-    """Summary sentences: which stage recovers how much of base quality at which length."""
-    out: list[str] = []
-    if perplexity_rows:
-        out += perplexity_sentences(perplexity_rows, base_stage)
-    if passkey_rows:
-        out += passkey_sentences(passkey_rows, base_stage)
-    if mmlu_pairs:
-        out += mmlu_sentences(mmlu_pairs)
-    return out
+def summarize(head: Headline, res: Results) -> list[str]:
+    """Sentences for one headline table, in reading order, at most MAX_SENTENCES."""
+    out = nll_sentences(head)
+    out += [s for s in (control_sentence(head, res), speed_sentence(head, res), mmlu_sentence(head),
+                        passkey_sentence(head)) if s]
+    return out[:MAX_SENTENCES]
