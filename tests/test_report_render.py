@@ -224,7 +224,9 @@ def headline(html: str) -> dict[str, list[tuple[str, str]]]:
     for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.DOTALL):
         label = htmllib.unescape(re.search(r'<td class="l">(.*?)</td>', row, re.DOTALL).group(1))
         cells = re.findall(r'<td class="[^"]*" title="[^"]*"><a href="([^"]*)">(.*?)</a></td>', row, re.DOTALL)
-        out[label] = [(htmllib.unescape(text), href) for href, text in cells]
+        # a cell's second line (backend, significance) reads after a space
+        out[label] = [(htmllib.unescape(re.sub(r"<br><small>(.*?)</small>", r" \1", text)), href)
+                      for href, text in cells]
     return out
 
 
@@ -244,7 +246,7 @@ def cell(table: dict, slot: str, column: str) -> str:
 
 
 def value_and_se(text: str) -> tuple[float, float]:
-    m = re.fullmatch(r"([+-][\d.]+) ± ([\d.]+)(?: \(.*\))?", text)
+    m = re.fullmatch(r"([+-][\d.]+) ± ([\d.]+)(?: n\.s\.| significant)?", text)
     assert m, text
     return float(m.group(1)), float(m.group(2))
 
@@ -269,6 +271,10 @@ def test_report_is_self_contained(report):
     assert "<link" not in html and "<script" not in html
     assert html.count("data:image/png;base64,") == 6  # nll, passkey, components, throughput, memory, mmlu
     assert " Paris &lt;b&gt;" in html  # text from results is escaped, not interpreted
+    for table in ('id="mmlu-table"', 'class="mmlu-subject-table"', 'class="perplexity-table"', 'class="passkey-table"',
+                  'class="components-table"', 'class="throughput-table"', 'class="memory-table"',
+                  'class="transfer-table"', 'class="lora-table"', 'class="generations-table"', 'id="variants-table"'):
+        assert table in html, table
 
 
 def test_headline_speed_cells_equal_the_fixture_ratios(report):
@@ -313,9 +319,9 @@ def test_headline_mmlu_cells_follow_the_paired_rule(report):
         text = cell(table, slot, "mmlu")
         got, got_se = value_and_se(text)
         assert abs(got - diff) <= 0.05 + 1e-9 and abs(got_se - se) <= 0.05 + 1e-9, (slot, text)
-        assert text.endswith("(significant)" if abs(diff) > 2 * se else "(n.s.)"), (slot, text)
-    assert cell(table, "w16", "mmlu").endswith("(significant)")  # +25 points, paired stderr 6.9
-    assert cell(table, "lc16", "mmlu").endswith("(n.s.)")  # -5 points, paired stderr 3.5
+        assert text.endswith(" significant" if abs(diff) > 2 * se else " n.s."), (slot, text)
+    assert cell(table, "w16", "mmlu").endswith(" significant")  # +25 points, paired stderr 6.9
+    assert cell(table, "lc16", "mmlu").endswith(" n.s.")  # -5 points, paired stderr 3.5
 
 
 def test_every_headline_cell_links_to_a_section(report):
@@ -371,6 +377,22 @@ def test_deleted_result_file_reads_not_measured(fixture_root, tmp_path):
     assert cell(table, "w16", "nll_longest") != "not measured"  # the rest still reads
     for f in gone:
         assert f.relative_to(copy).as_posix() in html
+
+
+def test_no_result_files_at_all_still_renders(tmp_path):
+    """The default config before any job ran: a table of "not measured" cells and no summary."""
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate(cfg, str(pipeline.SCHEMA_PATH))
+    none = {k: [] for k in ("mmlu", "quality", "throughput", "generations", "plots", "transfer_metrics",
+                            "lora_metrics", "manifests")}
+    html = write_report(tmp_path / "report.html", config=cfg, benchmarks_dir=tmp_path, repo_dir=tmp_path,
+                        **none).read_text()
+    table = headline(html)
+    assert list(table) == ["base", "base + LoRA (control)", "seed: hybrid after transfer + LoRA",
+                           "lolcats: hybrid after transfer + LoRA", "window_only: hybrid as converted (no training)"]
+    assert all(text == "not measured" for cells in table.values() for text, _ in cells)
+    assert len(next(iter(table.values()))) == 6 + 2  # MMLU: shots 0 and 5
+    assert summary(html) == []
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (tests/run.sh installs it)")

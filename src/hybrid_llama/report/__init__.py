@@ -1,1 +1,2 @@
-"""Report figures (``plots``, ``quality_plots``), summary text (``summary``) and the HTML report."""
+"""The report: result files read once (``results``), the headline table (``headline``), summary text
+(``summary``), figures (``plots``, ``quality_plots``) and the HTML page (``html``)."""

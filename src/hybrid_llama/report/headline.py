@@ -41,6 +41,7 @@ class Cell:
     href: str
     title: str = ""
     css: str = ""
+    note: str = ""  # a second, smaller line (the backend, the significance verdict)
     value: float | None = None  # the number behind the text (tests and the summary read it)
     extra: dict = field(default_factory=dict)
 
@@ -140,10 +141,10 @@ def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_sp
         if slot == "base":
             cells.append(Cell(f"{tps:,.0f} tok/s", href_speed, f"base {phase} at {length} tokens", value=tps))
             continue
-        backend = f" {best['backend']}" if len(labels) > 1 else ""
-        cells.append(Cell(_ratio(tps, ref) + backend, href_speed,
+        cells.append(Cell(_ratio(tps, ref), href_speed,
                           f"{tps:,.1f} vs base {ref:,.1f} tokens/s ({best['backend']} backend)",
-                          css="better" if tps > ref else "worse", value=tps / ref))
+                          css="better" if tps > ref else "worse", value=tps / ref,
+                          note=best["backend"] if len(labels) > 1 else ""))
     base_cache = num(table[("base", "prefill")][length]["cache_bytes"])
     own = [table[(label, "prefill")].get(length) for label in labels]
     sizes = [num(r["cache_bytes"]) for r in own if r is not None]
@@ -211,7 +212,7 @@ def _mmlu_cell(res: Results, model: str, device: str, slot: str, stage: str, fmt
     title = (f"{100 * d['acc_a']:.1f} % vs base {100 * d['acc_b']:.1f} % over {d['n']} questions; "
              f"± paired stderr; significant = |Δ| > 2 paired stderr")
     css = ("better" if d["diff"] > 0 else "worse") + (" sig" if d["significant"] else "")
-    return Cell(f"{plus_minus(100 * d['diff'], 100 * d['stderr_paired'], 1)} ({mark})", href, title, css=css,
+    return Cell(plus_minus(100 * d["diff"], 100 * d["stderr_paired"], 1), href, title, css=css, note=mark,
                 value=d["diff"], extra=d)
 
 

@@ -285,7 +285,10 @@ def _existing(files: Iterable, missing: list[str]) -> list[Path]:
     """The files that exist; the others are added to ``missing`` (the page lists them)."""
     out = []
     for f in map(Path, files):
-        (out.append(f) if f.is_file() else missing.append(f.as_posix()))
+        if f.is_file():
+            out.append(f)
+        else:
+            missing.append(f.as_posix())
     return out
 
 
@@ -342,7 +345,6 @@ def build_context(
                 "memory_plot": plot("plot_memory", model, device=device),
                 "quality": quality_tables(res, model, device),
                 "speed": throughput_tables(speed) if speed else None,
-                "mmlu": [r for r in mmlu_table if (r["model"], r["device"]) == (model, device)],
                 "mmlu_subjects": [t for t in subject_tables if (t["model"], t["device"]) == (model, device)],
             })
 
@@ -404,6 +406,7 @@ def build_context(
         "sections": sections,
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
+        "mmlu": mmlu_table,
         "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
                        if k[0] == "plot_mmlu"],
         "chance": CHANCE,
