@@ -176,7 +176,8 @@ def _nll_cell(res: Results, model: str, device: str, slot: str, stage: str, leng
         return missing(href, f"no NLL of both this stage and base at {length} tokens")
     title = (f"NLL {d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token at {length} tokens; "
              f"± paired stderr over {d['n_windows']} windows")
-    return Cell(plus_minus(d["diff"], d["stderr"]), href, title, css="worse" if d["diff"] > 0 else "better",
+    css = "worse" if d["diff"] > 0 else "better" if d["diff"] < 0 else ""
+    return Cell(plus_minus(d["diff"], d["stderr"]), href, title, css=css,
                 value=d["diff"], extra=d)
 
 
@@ -211,7 +212,8 @@ def _mmlu_cell(res: Results, model: str, device: str, slot: str, stage: str, fmt
     mark = "significant" if d["significant"] else "n.s."
     title = (f"{100 * d['acc_a']:.1f} % vs base {100 * d['acc_b']:.1f} % over {d['n']} questions; "
              f"± paired stderr; significant = |Δ| > 2 paired stderr")
-    css = ("better" if d["diff"] > 0 else "worse") + (" sig" if d["significant"] else "")
+    # colour only what the paired rule calls a difference
+    css = ("better sig" if d["diff"] > 0 else "worse sig") if d["significant"] else ""
     return Cell(plus_minus(100 * d["diff"], 100 * d["stderr_paired"], 1), href, title, css=css, note=mark,
                 value=d["diff"], extra=d)
 
