@@ -1,4 +1,4 @@
-"""Model-level throughput of the hybrid vs its base model (issue 6's model-level goals).
+"""Model-level throughput of the hybrid vs its base model (the model-level GPU goals in docs/triton.md).
 
     python benchmarks/bench_model.py                              # GPU: Llama-3.2-1B architecture
     python benchmarks/bench_model.py --json results/bench_model.json
@@ -7,7 +7,8 @@
 
 A randomly initialised model of the preset's architecture (default ``llama-3.2-1b``: 16 layers,
 32 query / 8 KV heads, D = 64) is built once; speed does not depend on the weights. The hybrid
-variants convert ``--layers`` (default every even layer: 0, 2, ..., 14 for 16 layers, the published recipe) with the named
+variants convert ``--layers`` (default every even layer: 0, 2, ..., 14 for 16 layers, the published
+recipe) with the named
 backends; ``base`` is the unconverted model with SDPA. Everything goes through the pipeline's own
 throughput evaluation (``hybrid_llama.eval.throughput``): prefill keeps the last position's logits
 only, decode runs greedy steps from the prefill's cache.
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prefill_lens = _ints(args.prefill_lens)
     backends = tuple(b for b in args.backends.split(",") if b)
-    common = dict(decode_tokens=args.decode_tokens, repeats=args.repeats, warmup=1, device=args.device,
-                  dtype=args.dtype)
+    common = dict(
+        decode_tokens=args.decode_tokens, repeats=args.repeats, warmup=1, device=args.device, dtype=args.dtype
+    )
     with tempfile.TemporaryDirectory(prefix="bench_model_") as tmp:
         model_dir = resolve_model({"kind": "random", "preset": args.preset, "seed": 0}, f"{tmp}/model")
         n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
@@ -109,12 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios = model_ratios(prefill, decode, prefill_len=max(prefill_lens), decode_context=args.decode_context)
     device_name = str(prefill.device_name.iloc[0])
     cols = ["variant", "seq_len", "batch", "tokens_per_s", "cache_bytes", "peak_mem_bytes", "status"]
-    print(f"device: {device_name}  torch {torch.__version__}  preset {args.preset}  dtype {args.dtype}  "
-          f"hybrid layers {layers}")
+    print(
+        f"device: {device_name}  torch {torch.__version__}  preset {args.preset}  dtype {args.dtype}  "
+        f"hybrid layers {layers}"
+    )
     print("\nprefill (batch 1, last-position logits):")
     print(prefill[prefill.phase == "prefill"][cols].to_string(index=False))
-    print(f"\ndecode (batch {args.decode_batch}, {args.decode_context} tokens of context, "
-          f"{args.decode_tokens} greedy steps):")
+    print(
+        f"\ndecode (batch {args.decode_batch}, {args.decode_context} tokens of context, "
+        f"{args.decode_tokens} greedy steps):"
+    )
     print(decode[decode.phase == "decode"][cols].to_string(index=False))
     print()
     for name, r in ratios.items():
@@ -122,9 +128,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:16s} {goal:16s} {value:8.3f}  {meets(goal, value)}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device_name": device_name, "torch": torch.__version__, "args": vars(args), "layers": layers,
-                       "ratios": ratios, "prefill": prefill.to_dict("records"),
-                       "decode": decode.to_dict("records")}, fh, indent=1, default=str)
+            json.dump(
+                {
+                    "device_name": device_name,
+                    "torch": torch.__version__,
+                    "args": vars(args),
+                    "layers": layers,
+                    "ratios": ratios,
+                    "prefill": prefill.to_dict("records"),
+                    "decode": decode.to_dict("records"),
+                },
+                fh,
+                indent=1,
+                default=str,
+            )
         print(f"wrote {args.json}")
     return 0
 

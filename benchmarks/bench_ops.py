@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -289,7 +288,7 @@ def main() -> None:
           f"{threads} threads, {os.cpu_count()} CPUs, {platform.machine()}")
     print(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"# OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-    print("# load average at start: %.2f %.2f %.2f (other processes share these cores)" % os.getloadavg())
+    print("# load average at start: {:.2f} {:.2f} {:.2f} (other processes share these cores)".format(*os.getloadavg()))
     if args.gqa_kv_heads:
         payload = dict(B=B, H=H, kv_heads=args.gqa_kv_heads, D=D, window=w,
                        Ts=[int(t) for t in args.gqa_ts.split(",") if t], reps=args.gqa_reps,
@@ -301,14 +300,18 @@ def main() -> None:
         rows = next(json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT "))
         print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("RESULT ")))
         print()
-        print("| T | pass | native ms | expand-then-chunked ms | expanded / native | best of calls: native / expanded ms"
-              " | CPU time: native / expanded ms |")
+        print(
+            "| T | pass | native ms | expand-then-chunked ms | expanded / native | best of calls: native / expanded ms"
+            " | CPU time: native / expanded ms |"
+        )
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['T']} | {r['mode']} | {r['native_ms']:.1f} | {r['expanded_ms']:.1f} | "
-                  f"{r['expanded_ms'] / r['native_ms']:.2f}x | {r['native_min_ms']:.1f} / {r['expanded_min_ms']:.1f} | "
-                  f"{r['native_cpu_ms']:.1f} / {r['expanded_cpu_ms']:.1f} |")
-        print("\n# load average at end: %.2f %.2f %.2f" % os.getloadavg())
+            print(
+                f"| {r['T']} | {r['mode']} | {r['native_ms']:.1f} | {r['expanded_ms']:.1f} | "
+                f"{r['expanded_ms'] / r['native_ms']:.2f}x | {r['native_min_ms']:.1f} / {r['expanded_min_ms']:.1f} | "
+                f"{r['native_cpu_ms']:.1f} / {r['expanded_cpu_ms']:.1f} |"
+            )
+        print("\n# load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"gqa": rows}, fh, indent=1)
@@ -321,7 +324,9 @@ def main() -> None:
         for be in backends:
             est = estimate_bytes(be, B, H, T, D, w)
             if est > args.mem_budget_gb * 2**30:
-                results["skipped"].append(f"{be} T={T}: estimated {est / 2**30:.1f} GB > budget {args.mem_budget_gb} GB")
+                results["skipped"].append(
+                    f"{be} T={T}: estimated {est / 2**30:.1f} GB > budget {args.mem_budget_gb} GB"
+                )
                 continue
             if be in too_slow:
                 results["skipped"].append(f"{be} T={T}: T={T // 2} already took > {args.max_call_s} s per call")
@@ -335,27 +340,38 @@ def main() -> None:
             row[be] = r
             if r["first_ms"] / 1000 > args.max_call_s:
                 too_slow.add(be)
-            print(f"  T={T:6d} {be:10s} {r['ms']:10.1f} ms (best {r['min_ms']:10.1f}, cpu {r['cpu_ms']:10.1f} ms)"
-                  f"  peak {r['peak_mb']:9.1f} MB"
-                  f"  ({r['reps']} reps)", flush=True)
+            print(
+                f"  T={T:6d} {be:10s} {r['ms']:10.1f} ms (best {r['min_ms']:10.1f}, cpu {r['cpu_ms']:10.1f} ms)"
+                f"  peak {r['peak_mb']:9.1f} MB"
+                f"  ({r['reps']} reps)",
+                flush=True,
+            )
 
     def get(T, be, key):
         return results["prefill"][T].get(be, {}).get(key)
 
     print()
+
     def ratio(T, be, key="ms"):
         c, x = get(T, "chunked", key), get(T, be, key)
         return fmt(x / c, ".2f") + "x" if c and x else "-"
 
     print("Wall time per forward (median), ratios = other / chunked:")
     print()
-    print("| T | " + " | ".join(f"{be} ms" for be in backends)
-          + " | SDPA / chunked | reference / chunked | seed_naive / chunked | SDPA / chunked (CPU time)"
-          + " | SDPA / chunked (best of reps) |")
+    print(
+        "| T | "
+        + " | ".join(f"{be} ms" for be in backends)
+        + " | SDPA / chunked | reference / chunked | seed_naive / chunked | SDPA / chunked (CPU time)"
+        + " | SDPA / chunked (best of reps) |"
+    )
     print("|---" * (len(backends) + 6) + "|")
     for T in results["prefill"]:
-        print(f"| {T} | " + " | ".join(fmt(get(T, be, "ms")) for be in backends)
-              + f" | {ratio(T, 'sdpa')} | {ratio(T, 'reference')} | {ratio(T, 'seed_naive')} | {ratio(T, 'sdpa', 'cpu_ms')} | {ratio(T, 'sdpa', 'min_ms')} |")
+        print(
+            f"| {T} | "
+            + " | ".join(fmt(get(T, be, "ms")) for be in backends)
+            + f" | {ratio(T, 'sdpa')} | {ratio(T, 'reference')} | {ratio(T, 'seed_naive')}"
+            + f" | {ratio(T, 'sdpa', 'cpu_ms')} | {ratio(T, 'sdpa', 'min_ms')} |"
+        )
     print()
     print("Peak extra resident memory per forward (output included):")
     print()
@@ -379,9 +395,11 @@ def main() -> None:
         for ctx, r in dec.items():
             print(f"| {ctx} | {r['step_us']:.1f} | {r['state_kb']:.0f} | {r['sdpa_us']:.1f} | {r['kv_cache_kb']:.0f} |")
         first, last = dec[str(contexts[0])], dec[str(contexts[-1])]
-        print(f"\nhybrid step time {contexts[-1]} / {contexts[0]} context: {last['step_us'] / first['step_us']:.2f}x "
-              f"(softmax KV-cache step: {last['sdpa_us'] / first['sdpa_us']:.2f}x)")
-    print("\n# load average at end: %.2f %.2f %.2f" % os.getloadavg())
+        print(
+            f"\nhybrid step time {contexts[-1]} / {contexts[0]} context: {last['step_us'] / first['step_us']:.2f}x "
+            f"(softmax KV-cache step: {last['sdpa_us'] / first['sdpa_us']:.2f}x)"
+        )
+    print("\n# load average at end: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -1,4 +1,4 @@
-"""GPU benchmark of the triton backend (issue 6): layer-level prefill and decode.
+"""GPU benchmark of the triton backend: layer-level prefill and decode.
 
     python benchmarks/bench_triton.py                       # T = 2^10 .. 2^15, fwd and fwd+bwd, decode
     python benchmarks/bench_triton.py --tmax 13 --json results/bench_triton.json
@@ -100,8 +100,24 @@ def compile_only(arch: int = 90) -> int:
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     f32 = "*fp32"
-    io = {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "kw_ptr", "vw_ptr", "kw_new", "vw_new",
-          "fq_ptr", "fk_ptr", "dfq_ptr", "dfk_ptr"}
+    io = {
+        "q_ptr",
+        "k_ptr",
+        "v_ptr",
+        "o_ptr",
+        "do_ptr",
+        "dq_ptr",
+        "dk_ptr",
+        "dv_ptr",
+        "kw_ptr",
+        "vw_ptr",
+        "kw_new",
+        "vw_new",
+        "fq_ptr",
+        "fk_ptr",
+        "dfq_ptr",
+        "dfk_ptr",
+    }
     special = {"km_ptr": "*i8", "valid_ptr": "*i8", "ev_ptr": "*i8", "idx_ptr": "*i32", "sm_scale": "fp32"}
 
     def build(fn, consts: dict, warps: int, stages: int) -> None:
@@ -117,16 +133,24 @@ def compile_only(arch: int = 90) -> int:
                 sig[name] = f32
             else:
                 sig[name] = "i32"
-        k = triton_compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
+        k = triton_compile(
+            ASTSource(fn, sig, constexprs=consts),
+            target=GPUTarget("cuda", arch, 32),
+            options=dict(num_warps=warps, num_stages=stages),
+        )
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as fh:
             fh.write(k.asm["ptx"])
-        r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", fh.name, "-o", os.devnull], capture_output=True, text=True)
+        r = subprocess.run(
+            [ptxas, f"-arch=sm_{arch}a", "-v", fh.name, "-o", os.devnull], capture_output=True, text=True
+        )
         os.unlink(fh.name)
         regs = re.findall(r"Used (\d+) registers", r.stdout + r.stderr)
         spill = re.findall(r"(\d+) bytes spill stores", r.stdout + r.stderr)
-        print(f"{fn.__name__:17s} {consts}: warps={warps} stages={stages} shared={k.metadata.shared} B "
-              f"registers={regs[0] if regs else '?'} spill_stores={spill[0] if spill else '?'} B", flush=True)
+        print(
+            f"{fn.__name__:17s} {consts}: warps={warps} stages={stages} shared={k.metadata.shared} B "
+            f"registers={regs[0] if regs else '?'} spill_stores={spill[0] if spill else '?'} B",
+            flush=True,
+        )
 
     # (D, F, features): elu1 at D = 64 and 128, Hedgehog's F = 2 * D read as features at D = 64 (and
     # with --features-only, only those).
@@ -160,21 +184,28 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--block", type=int, default=None, help="block_size of the triton prefill (default: the op's)")
-    ap.add_argument("--impls", default="triton,triton_hedgehog,chunked,sdpa,seed_naive",
-                    help="of triton, triton_hedgehog, chunked, chunked_hedgehog, sdpa, seed_naive")
+    ap.add_argument(
+        "--impls",
+        default="triton,triton_hedgehog,chunked,sdpa,seed_naive",
+        help="of triton, triton_hedgehog, chunked, chunked_hedgehog, sdpa, seed_naive",
+    )
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--decode-batches", default="1,64")
     ap.add_argument("--json", default=None, help="also write all rows to this JSON file")
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 offline (no GPU needed)")
-    ap.add_argument("--features-only", action="store_true", help="with --compile-only: only the Hedgehog-feature kernels")
+    ap.add_argument(
+        "--features-only", action="store_true", help="with --compile-only: only the Hedgehog-feature kernels"
+    )
     args = ap.parse_args()
 
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_triton.py needs a CUDA GPU (triton kernels); none is available here. Nothing measured.",
-              file=sys.stderr)
+        print(
+            "bench_triton.py needs a CUDA GPU (triton kernels); none is available here. Nothing measured.",
+            file=sys.stderr,
+        )
         return 2
 
     import torch.nn.functional as F
@@ -212,8 +243,9 @@ def main() -> int:
         try:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         except (TypeError, RuntimeError):
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                                  is_causal=True)
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+            )
 
     print("\n| impl | T | pass | ms | GB/s | TFLOP/s | roofline frac |")
     print("|---|---|---|---|---|---|---|")
@@ -229,25 +261,33 @@ def main() -> int:
             kv_heads = HKV if impl in ("triton", "sdpa", "triton_hedgehog", "chunked_hedgehog") else H
             if impl == "triton":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
-                    q, k, v, wl, ll, window=w, block_size=args.block)
+                    q, k, v, wl, ll, window=w, block_size=args.block
+                )
             elif impl == "triton_hedgehog":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
-                    q, k, v, wl, ll, window=w, feature_map=pair, block_size=args.block)
+                    q, k, v, wl, ll, window=w, feature_map=pair, block_size=args.block
+                )
             elif impl == "chunked_hedgehog":  # GQA k/v in place: the key map runs at the KV heads
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
-                    q, k, v, wl, ll, window=w, feature_map=pair)
+                    q, k, v, wl, ll, window=w, feature_map=pair
+                )
             elif impl == "chunked":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
-                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w)
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w
+                )
             elif impl == "sdpa":
                 fn = lambda q, k, v, wl, ll: sdpa(q, k, v)  # noqa: E731
             elif impl == "seed_naive":
                 free, _ = torch.cuda.mem_get_info()
                 if seed_naive_bytes(T, H, D, elem) > 0.8 * free:
-                    print(f"| seed_naive | {T} | - | does not fit ({seed_naive_bytes(T, H, D, elem) / 2**30:.0f} GiB) | | | |")
+                    print(
+                        f"| seed_naive | {T} | - | does not fit "
+                        f"({seed_naive_bytes(T, H, D, elem) / 2**30:.0f} GiB) | | | |"
+                    )
                     continue
                 fn = lambda q, k, v, wl, ll: hybrid_attention_seed_naive(  # noqa: E731
-                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w)
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w
+                )
             else:
                 raise SystemExit(f"unknown impl {impl!r}")
             for backward in (False, True) if not args.no_backward else (False,):
@@ -265,9 +305,11 @@ def main() -> int:
                             out = fn(qg, kg, vg, wg, lg)
                             torch.autograd.grad(out, wrt, do)
                     else:
+
                         def step():
                             with torch.no_grad():
                                 fn(q, k, v, wl, ll)
+
                     ms = bench(step)
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
@@ -276,8 +318,16 @@ def main() -> int:
                 nbytes = prefill_bytes(T, H, kv_heads, D, elem, backward)
                 flops = prefill_flops(impl, T, H, HKV, D, w, backward)
                 frac = (nbytes / bw) / (ms * 1e-3) if bw else None
-                row = dict(kind="prefill", impl=impl, T=T, pass_=label, ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9,
-                           tflops=flops / (ms * 1e-3) / 1e12, roofline_frac=frac)
+                row = dict(
+                    kind="prefill",
+                    impl=impl,
+                    T=T,
+                    pass_=label,
+                    ms=ms,
+                    gbps=nbytes / (ms * 1e-3) / 1e9,
+                    tflops=flops / (ms * 1e-3) / 1e12,
+                    roofline_frac=frac,
+                )
                 rows.append(row)
                 fr = f"{frac:.2f}" if frac is not None else "n/a"
                 print(f"| {impl} | {T} | {label} | {ms:.3f} | {row['gbps']:.0f} | {row['tflops']:.1f} | {fr} |")
@@ -306,19 +356,39 @@ def main() -> int:
                 for mode in ("inplace", "functional"):
                     inplace = mode == "inplace"
                     ms = bench(lambda: hybrid_attention_step_triton(q1, k1, v1, state, wl, ll, inplace=inplace))
-                    rows.append(dict(kind="decode", impl=f"triton-{mode}", batch=Bd, context=ctx, ms=ms, tok_s=Bd / (ms * 1e-3)))
+                    rows.append(
+                        dict(kind="decode", impl=f"triton-{mode}", batch=Bd, context=ctx, ms=ms, tok_s=Bd / (ms * 1e-3))
+                    )
                     print(f"| triton step ({mode}) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |")
                 if "triton_hedgehog" in impls:
                     # Hedgehog pair: state [F = 2D, D]; the maps run in torch on the query and the evicted key.
-                    state_hh = HybridState(state.k_window.clone(), state.v_window.clone(), state.window_valid.clone(),
-                                           torch.rand(Bd, HKV, 2 * D, D, device=dev, generator=g) * ctx,
-                                           torch.rand(Bd, HKV, 2 * D, device=dev, generator=g) * ctx, ctx)
+                    state_hh = HybridState(
+                        state.k_window.clone(),
+                        state.v_window.clone(),
+                        state.window_valid.clone(),
+                        torch.rand(Bd, HKV, 2 * D, D, device=dev, generator=g) * ctx,
+                        torch.rand(Bd, HKV, 2 * D, device=dev, generator=g) * ctx,
+                        ctx,
+                    )
                     with torch.no_grad():  # the maps' parameters require grad; the step is inference-only
-                        ms = bench(lambda: hybrid_attention_step_triton(q1, k1, v1, state_hh, wl, ll, feature_map=pair,
-                                                                        inplace=True))
-                    rows.append(dict(kind="decode", impl="triton-hedgehog-inplace", batch=Bd, context=ctx, ms=ms,
-                                     tok_s=Bd / (ms * 1e-3)))
-                    print(f"| triton step, Hedgehog pair (inplace) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |")
+                        ms = bench(
+                            lambda: hybrid_attention_step_triton(
+                                q1, k1, v1, state_hh, wl, ll, feature_map=pair, inplace=True
+                            )
+                        )
+                    rows.append(
+                        dict(
+                            kind="decode",
+                            impl="triton-hedgehog-inplace",
+                            batch=Bd,
+                            context=ctx,
+                            ms=ms,
+                            tok_s=Bd / (ms * 1e-3),
+                        )
+                    )
+                    print(
+                        f"| triton step, Hedgehog pair (inplace) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |"
+                    )
                 try:
                     kc = torch.randn(Bd, HKV, ctx + 1, D, device=dev, dtype=dt, generator=g)
                     vc = torch.randn(Bd, HKV, ctx + 1, D, device=dev, dtype=dt, generator=g)
@@ -329,7 +399,11 @@ def main() -> int:
                         return F.scaled_dot_product_attention(q1, kc, vc, enable_gqa=True)
 
                     ms = bench(softmax_step)
-                    rows.append(dict(kind="decode", impl="softmax-kv-cache", batch=Bd, context=ctx, ms=ms, tok_s=Bd / (ms * 1e-3)))
+                    rows.append(
+                        dict(
+                            kind="decode", impl="softmax-kv-cache", batch=Bd, context=ctx, ms=ms, tok_s=Bd / (ms * 1e-3)
+                        )
+                    )
                     print(f"| softmax KV cache (SDPA) | {Bd} | {ctx} | {ms:.4f} | {Bd / (ms * 1e-3):.0f} |")
                     del kc, vc
                 except torch.OutOfMemoryError:
@@ -339,8 +413,11 @@ def main() -> int:
     _goals(rows, bw, args.tmax)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=name, peak_bw=bw, torch=torch.__version__, triton=triton.__version__, rows=rows), fh,
-                      indent=1)
+            json.dump(
+                dict(device=name, peak_bw=bw, torch=torch.__version__, triton=triton.__version__, rows=rows),
+                fh,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return 0
 
@@ -351,7 +428,7 @@ def _goals(rows: list[dict], bw: float | None, tmax: int) -> None:
     pick = lambda **kw: next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)  # noqa: E731
     tri = pick(kind="prefill", impl="triton", T=T, pass_="fwd")
     sd = pick(kind="prefill", impl="sdpa", T=T, pass_="fwd")
-    print("\ngoals (issue 6):")
+    print("\ngoals:")
     if tri and sd:
         print(f"- T={T} fwd speedup vs causal SDPA: {sd['ms'] / tri['ms']:.1f}x (goal >= 20x)")
     if tri and tri["roofline_frac"]:
@@ -363,7 +440,10 @@ def _goals(rows: list[dict], bw: float | None, tmax: int) -> None:
         if a and b:
             print(f"- decode ({mode}) batch 64: 32K / 1K step time {b['ms'] / a['ms']:.2f} (goal <= 1.1)")
         if b and s:
-            print(f"- decode ({mode}) batch 64, 32K: {b['tok_s'] / s['tok_s']:.1f}x softmax KV-cache tokens/s (goal >= 5x)")
+            print(
+                f"- decode ({mode}) batch 64, 32K: {b['tok_s'] / s['tok_s']:.1f}x softmax KV-cache tokens/s "
+                "(goal >= 5x)"
+            )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU measurement issue 6 asks for: the GPU tests, the layer benchmark and the model-level
+# Every GPU measurement the project wants: the GPU tests, the layer benchmark and the model-level
 # benchmark. Each step is capped (240 / 300 / 300 s); where one command may run at most 10 minutes
 # (the project's device tool), run the steps in separate calls: STEPS=tests, STEPS=layer, STEPS=model. Runs from the repo root with the machine's own
 # python3 (torch, triton, transformers, peft, pandas, safetensors, tokenizers, pytest preinstalled;

@@ -95,7 +95,9 @@ def test_state_memory_is_constant():
     for t in range(100):
         _, state = hybrid_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll)
         if t in (0, 9, 99):
-            shapes.add(tuple(tuple(x.shape) for x in (state.k_window, state.v_window, state.window_valid, state.S, state.z)))
+            shapes.add(
+                tuple(tuple(x.shape) for x in (state.k_window, state.v_window, state.window_valid, state.S, state.z))
+            )
     long = prefill_state(torch.randn(B, H, 5000, D), torch.randn(B, H, 5000, D), window=w)
     shapes.add(tuple(tuple(x.shape) for x in (long.k_window, long.v_window, long.window_valid, long.S, long.z)))
     assert shapes == {((B, H, w, D), (B, H, w, D), (B, w), (B, H, D, D), (B, H, D))}
@@ -125,8 +127,10 @@ def test_step_gradients_match_parallel():
     got, _ = run_steps(q, k, v, wl, ll, init_state(B, H, D, w))
     want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference")
     g = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
-    for a, b in zip(torch.autograd.grad((got * g).sum(), [q, k, v, wl, ll]),
-                    torch.autograd.grad((want * g).sum(), [q, k, v, wl, ll])):
+    for a, b in zip(
+        torch.autograd.grad((got * g).sum(), [q, k, v, wl, ll]),
+        torch.autograd.grad((want * g).sum(), [q, k, v, wl, ll]),
+    ):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
@@ -170,27 +174,38 @@ def test_gqa_state_decodes_like_expanded_kv(formulation, T, w):
     mask[0, :2] = False
     ek, ev = expand_kv(q, k, v)
     with torch.no_grad():
-        want = hybrid_attention(q, ek, ev, wl, ll, window=w, backend="reference", formulation=formulation,
-                                key_padding_mask=mask)
+        want = hybrid_attention(
+            q, ek, ev, wl, ll, window=w, backend="reference", formulation=formulation, key_padding_mask=mask
+        )
         got, gqa_state = run_steps(q, k, v, wl, ll, init_state(B, Hkv, D, w), mask, formulation=formulation)
         # the dispatcher takes GQA k/v too (repeating them for the torch backends)
-        par = hybrid_attention(q, k, v, wl, ll, window=w, backend="chunked", formulation=formulation,
-                               key_padding_mask=mask)
+        par = hybrid_attention(
+            q, k, v, wl, ll, window=w, backend="chunked", formulation=formulation, key_padding_mask=mask
+        )
         _, full_state = run_steps(q, ek, ev, wl, ll, init_state(B, H, D, w), mask, formulation=formulation)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(par, want, atol=ATOL, rtol=RTOL)
     pick = torch.arange(0, H, H // Hkv)
-    assert_states_equal(gqa_state, HybridState(full_state.k_window[:, pick], full_state.v_window[:, pick],
-                                               full_state.window_valid, full_state.S[:, pick], full_state.z[:, pick],
-                                               full_state.seen))
+    assert_states_equal(
+        gqa_state,
+        HybridState(
+            full_state.k_window[:, pick],
+            full_state.v_window[:, pick],
+            full_state.window_valid,
+            full_state.S[:, pick],
+            full_state.z[:, pick],
+            full_state.seen,
+        ),
+    )
     assert_states_equal(gqa_state, prefill_state(k, v, window=w, key_padding_mask=mask))
 
 
 def test_gqa_step_rejects_per_head_feature_map_and_wrong_state():
     q, k, v, wl, ll = inputs(1, 4, 1, 8)
     with pytest.raises(ValueError, match="HedgehogFeatureMap"):
-        hybrid_attention_step(q, k[:, :2], v[:, :2], init_state(1, 2, 8, 4, feature_dim=16), wl, ll,
-                              feature_map=hedgehog(4, 8))
+        hybrid_attention_step(
+            q, k[:, :2], v[:, :2], init_state(1, 2, 8, 4, feature_dim=16), wl, ll, feature_map=hedgehog(4, 8)
+        )
     with pytest.raises(ValueError, match="state of H_kv heads"):
         hybrid_attention_step(q, k[:, :2], v[:, :2], init_state(1, 4, 8, 4), wl, ll)
 
@@ -207,10 +222,21 @@ def test_query_key_map_pair_decodes_at_kv_heads(formulation, T, w):
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, :3] = False
     with torch.no_grad():
-        want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", formulation=formulation,
-                                feature_map=fm, key_padding_mask=mask)
-        got, state = run_steps(q, k, v, wl, ll, init_state(B, Hkv, D, w, feature_dim=2 * D), mask,
-                               formulation=formulation, feature_map=fm)
+        want = hybrid_attention(
+            q,
+            k,
+            v,
+            wl,
+            ll,
+            window=w,
+            backend="reference",
+            formulation=formulation,
+            feature_map=fm,
+            key_padding_mask=mask,
+        )
+        got, state = run_steps(
+            q, k, v, wl, ll, init_state(B, Hkv, D, w, feature_dim=2 * D), mask, formulation=formulation, feature_map=fm
+        )
         pre = prefill_state(k, v, window=w, feature_map=fm, key_padding_mask=mask)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     assert state.S.shape == (B, Hkv, 2 * D, D)

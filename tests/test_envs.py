@@ -74,14 +74,14 @@ def test_env_parses(path):
 
 def test_invalid_spec_is_rejected():
     """The check above can fail: rattler refuses a malformed spec."""
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (rattler raises its own parse error types)
         rattler.MatchSpec("pytorch >>=2.4")
 
 
 @pytest.mark.parametrize("path", ENVS, ids=lambda p: p.name)
 def test_env_versions_match_pyproject(path):
     ours = pyproject_specs()
-    for kind, name, version in env_specs(path):
+    for _kind, name, version in env_specs(path):
         pypi = _norm(CONDA_TO_PYPI.get(name, name))
         if pypi == "pip":
             continue

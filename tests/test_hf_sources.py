@@ -14,7 +14,6 @@ redirected under a tmp dir, and opening an AF_INET/AF_INET6 socket raises.
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import os
 import re
@@ -23,14 +22,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from hybrid_llama.pipeline import Pipeline, shared_data_dir
 from hybrid_llama.data import (
     DataError,
     iter_documents,
@@ -40,6 +37,7 @@ from hybrid_llama.data import (
     prepare_instruct_data,
     prepare_transfer_corpus,
 )
+from hybrid_llama.pipeline import Pipeline, shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = shared_data_dir()

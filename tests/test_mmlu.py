@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybrid_llama.eval.mmlu import compare, run_mmlu, write_result
-from hybrid_llama.weights import load_model
 from hybrid_llama.pipeline import shared_data_dir
+from hybrid_llama.weights import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = shared_data_dir()

@@ -1,4 +1,4 @@
-"""Issue 2, section 3: the hybrid layer, conversion, hybrid-aware cache, save/load."""
+"""The hybrid layer, conversion, hybrid-aware cache, save/load."""
 
 from __future__ import annotations
 

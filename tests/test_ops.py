@@ -40,7 +40,7 @@ def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi
     for bi in range(B):
         cols = []
         for t in range(T):
-            real = (lambda j: True) if mask is None else (lambda j: bool(mask[bi, j]))
+            real = (lambda j: True) if mask is None else (lambda j, bi=bi: bool(mask[bi, j]))
             win = [j for j in range(max(0, t - window + 1), t + 1) if real(j)]
             lin = [j for j in range(0, t - window + 1) if real(j)]
             num = torch.zeros(H, v.shape[-1])

@@ -79,9 +79,7 @@ def test_library_defaults_are_the_schema_defaults():
     from hybrid_llama.layers import HybridConfig
     from hybrid_llama.train.common import RUN_DEFAULTS
     from hybrid_llama.train.finetune import FINETUNE_DEFAULTS
-    from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
-
-    from hybrid_llama.train.transfer import CORPUS_KEYS
+    from hybrid_llama.train.transfer import CORPUS_KEYS, TRANSFER_DEFAULTS
 
     assert {k: v for k, v in TRANSFER_DEFAULTS.items() if k not in RUN_DEFAULTS and k != "eval_path"} \
         == {k: v for k, v in schema_defaults("transfer").items() if k not in CORPUS_KEYS}
@@ -119,7 +117,7 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
     metrics = json.loads((out / "metrics.json").read_text())
     cli_recipe = {k: v for k, v in metrics["train"].items() if k in recipe_keys and k != "checkpoint_every"}
     assert canonical(cli_recipe) == {k: v for k, v in workflow_recipe.items() if k != "checkpoint_every"}
-    assert metrics["hybrid"] == {"layers": [0], **wf.hybrid("v"), "layers": [0]}  # CLI flags' defaults
+    assert metrics["hybrid"] == {**wf.hybrid("v"), "layers": [0]}  # CLI flags' defaults
     assert set(metrics["train"]) == set(TRANSFER_DEFAULTS) and set(RUN_DEFAULTS) <= set(metrics["train"])
 
 
@@ -133,28 +131,49 @@ def test_variant_overrides_merge_into_the_sections():
     cfg = deep_merge(MINIMAL, {})
     cfg["variants"][0]["transfer"] = {"lr": 0.01}
     wf = make(cfg)
-    assert wf.transfer("v")["lr"] == 0.01 and wf.transfer("v")["batch_size"] == schema_defaults("transfer")["batch_size"]
+    assert wf.transfer("v")["lr"] == 0.01
+    assert wf.transfer("v")["batch_size"] == schema_defaults("transfer")["batch_size"]
 
 
-@pytest.mark.parametrize("mutate,key,needle", [
-    (lambda c: c["variants"][0]["hybrid"].update(layers=[0, 4]), "variants[v].hybrid.layers", "layer index 4"),
-    (lambda c: c["variants"].append(dict(c["variants"][0])), "variants[1].name", "duplicate name"),
-    (lambda c: c.update(base_lora={"layers": [9]}), "base_lora.layers", "4 layers"),
-    (lambda c: c["data"]["transfer"].update(source="local", local="nowhere/x.jsonl"), "data.transfer.local",
-     "does not exist"),
-    (lambda c: c["mmlu"].update(subjects=["astrology"]), "mmlu.subjects", "unknown subjects"),
-    (lambda c: c["transfer"].update(num_tokens=2048, seq_len=1024), "transfer.num_tokens",
-     "needs at least 8 (eval_sequences + one batch)"),
-    (lambda c: c["transfer"].update(seq_len=8192), "transfer.seq_len", "positions (4096)"),
-    (lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}), "variants[v].transfer.trainable",
-     "selects nothing"),
-    (lambda c: (c["variants"][0]["hybrid"].update(formulation="window"),
-                c["variants"][0].update(transfer={"trainable": "logits"})), "variants[v].transfer.trainable",
-     "window-only"),
-    (lambda c: c["variants"][0].update(lora={"objective": "distill"}, transfer={"num_tokens": 1024 * 9}),
-     "variants[v].transfer.num_tokens", "LoRA (objective distill)"),
-    (lambda c: c["base_lora"].update(objective="distill"), "base_lora.objective", "instruct"),
-])
+@pytest.mark.parametrize(
+    "mutate,key,needle",
+    [
+        (lambda c: c["variants"][0]["hybrid"].update(layers=[0, 4]), "variants[v].hybrid.layers", "layer index 4"),
+        (lambda c: c["variants"].append(dict(c["variants"][0])), "variants[1].name", "duplicate name"),
+        (lambda c: c.update(base_lora={"layers": [9]}), "base_lora.layers", "4 layers"),
+        (
+            lambda c: c["data"]["transfer"].update(source="local", local="nowhere/x.jsonl"),
+            "data.transfer.local",
+            "does not exist",
+        ),
+        (lambda c: c["mmlu"].update(subjects=["astrology"]), "mmlu.subjects", "unknown subjects"),
+        (
+            lambda c: c["transfer"].update(num_tokens=2048, seq_len=1024),
+            "transfer.num_tokens",
+            "needs at least 8 (eval_sequences + one batch)",
+        ),
+        (lambda c: c["transfer"].update(seq_len=8192), "transfer.seq_len", "positions (4096)"),
+        (
+            lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}),
+            "variants[v].transfer.trainable",
+            "selects nothing",
+        ),
+        (
+            lambda c: (
+                c["variants"][0]["hybrid"].update(formulation="window"),
+                c["variants"][0].update(transfer={"trainable": "logits"}),
+            ),
+            "variants[v].transfer.trainable",
+            "window-only",
+        ),
+        (
+            lambda c: c["variants"][0].update(lora={"objective": "distill"}, transfer={"num_tokens": 1024 * 9}),
+            "variants[v].transfer.num_tokens",
+            "LoRA (objective distill)",
+        ),
+        (lambda c: c["base_lora"].update(objective="distill"), "base_lora.objective", "instruct"),
+    ],
+)
 def test_semantic_checks_name_the_key(mutate, key, needle):
     cfg = resolved(MINIMAL)
     mutate(cfg)
@@ -185,8 +204,12 @@ def test_stage_inputs():
 def test_variant_stages_and_the_files_they_need():
     cfg = resolved(MINIMAL)
     cfg["variants"] += [
-        {"name": "lc", "hybrid": {"layers": [0], "formulation": "lolcats", "feature_map": "hedgehog"},
-         "transfer": {"seq_len": 2048, "num_tokens": 65536}, "lora": {"objective": "distill"}},
+        {
+            "name": "lc",
+            "hybrid": {"layers": [0], "formulation": "lolcats", "feature_map": "hedgehog"},
+            "transfer": {"seq_len": 2048, "num_tokens": 65536},
+            "lora": {"objective": "distill"},
+        },
         {"name": "ctl", "hybrid": {"layers": [0], "formulation": "window"}, "stages": ["converted"]},
     ]
     wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
@@ -195,19 +218,30 @@ def test_variant_stages_and_the_files_they_need():
     assert ("ctl", "converted") in wf.eval_slots() and ("ctl", "transfer") not in wf.eval_slots()
     assert wf.stage_inputs("m", "ctl", "converted") == {"weights": path("weights", model="m")}
     assert wf.stage_hybrid("ctl", "converted")["formulation"] == "window"
-    assert wf.transfer_slots() == ["v", "lc"] == wf.throughput_variants() and wf.lora_slots() == ["v", "lc", "base_lora"]
+    assert wf.transfer_slots() == ["v", "lc"] == wf.throughput_variants() and wf.lora_slots() == [
+        "v",
+        "lc",
+        "base_lora",
+    ]
     # one corpus per distinct seq_len x num_tokens; distill trains on its variant's corpus
     assert wf.corpus("lc") == {"seq_len": "2048", "num_tokens": "65536"}
-    assert wf.corpus_files("m") == ["resources/data/transfer/m/L1024_N1000000.safetensors",
-                                    "resources/data/transfer/m/L2048_N65536.safetensors"]
+    assert wf.corpus_files("m") == [
+        "resources/data/transfer/m/L1024_N1000000.safetensors",
+        "resources/data/transfer/m/L2048_N65536.safetensors",
+    ]
     assert wf.lora_data("m", "lc") == wf.corpus_files("m")[1]
     assert wf.lora_data("m", "v") == wf.lora_data("m", "base_lora") == path("instruct_data", model="m")
     assert wf.corpus_settings("2048", "all")["num_tokens"] is None
     assert "seq_len" not in wf.transfer_train("lc") and wf.transfer("lc")["seq_len"] == 2048
-    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "ctl", "cpu", "perplexity")] \
-        == ["base", "converted", "base_lora"]
-    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "lc", "cpu", "components")] \
-        == ["transfer", "transfer_lora"]
+    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "ctl", "cpu", "perplexity")] == [
+        "base",
+        "converted",
+        "base_lora",
+    ]
+    assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "lc", "cpu", "components")] == [
+        "transfer",
+        "transfer_lora",
+    ]
 
 
 def test_formulations_of_the_schema_are_the_ops():

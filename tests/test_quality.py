@@ -1,4 +1,4 @@
-"""Quality metrics (issue 8): passkey prompts, held-out perplexity, paired significance, CSVs (the report's
+"""Quality metrics: passkey prompts, held-out perplexity, paired significance, CSVs (the report's
 summary and quality plots are tested in tests/test_report_render.py and tests/test_plots.py)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hybrid_llama import data
-from hybrid_llama.weights import byte_tokenizer, load_model
 from hybrid_llama.eval import quality as Q
 from hybrid_llama.pipeline import shared_data_dir
+from hybrid_llama.weights import byte_tokenizer, load_model
 
 SHARED = shared_data_dir()
 FINEWEB = SHARED / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"
@@ -40,8 +40,12 @@ def bpe_tok():
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = list(Q.FILLER_SENTENCES) * 5 + [Q.PASSKEY_INTRO, Q.PASSKEY_QUESTION] + [f"key {i} 98{i}1" for i in range(100)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = (
+        list(Q.FILLER_SENTENCES) * 5 + [Q.PASSKEY_INTRO, Q.PASSKEY_QUESTION] + [f"key {i} 98{i}1" for i in range(100)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
@@ -66,7 +70,13 @@ def test_passkey_prompt_exact_length_and_depth_bytes(byte_tok, L):
     # expected layout follows from the template strings alone
     key = "31337"
     before_fixed = 1 + len(Q.PASSKEY_INTRO)
-    fixed = before_fixed + len(" The pass key is") + len(" " + key) + len(f". Remember it. {key} is the pass key.") + len(Q.PASSKEY_QUESTION)
+    fixed = (
+        before_fixed
+        + len(" The pass key is")
+        + len(" " + key)
+        + len(f". Remember it. {key} is the pass key.")
+        + len(Q.PASSKEY_QUESTION)
+    )
     for i, depth in enumerate((0.0, 0.1, 0.33, 0.5, 0.9, 1.0)):
         ids, (s, e) = Q.make_passkey_prompt(byte_tok, context_len=L, depth=depth, key=key, seed=i)
         assert len(ids) == L and ids[0] == byte_tok.bos_token_id
@@ -170,8 +180,16 @@ def test_passkey_accuracy_scores_retrieval(byte_tok, tiny_model_dir, offset, exp
     model = OracleLlama(tiny_llama(tiny_model_dir, max_pos=1024).config).eval()
     OracleLlama.offset, OracleLlama.tokenizer, OracleLlama.calls = offset, byte_tok, []
     with pytest.warns(UserWarning, match="max_position_embeddings"):
-        rows = Q.passkey_accuracy(model, byte_tok, context_lens=[256, 768, 4096], depths=(0.2, 0.8), trials=3,
-                                  seed=0, stage="oracle", batch_size=2)
+        rows = Q.passkey_accuracy(
+            model,
+            byte_tok,
+            context_lens=[256, 768, 4096],
+            depths=(0.2, 0.8),
+            trials=3,
+            seed=0,
+            stage="oracle",
+            batch_size=2,
+        )
     # 4096 exceeds max_position_embeddings: skipped
     assert [(r["context_len"], r["depth"]) for r in rows] == [(256, 0.2), (256, 0.8), (768, 0.2), (768, 0.8)]
     assert all(r["accuracy"] == expected and r["n"] == 3 and r["stage"] == "oracle" for r in rows)
@@ -200,8 +218,9 @@ def test_window_ends_share_targets_and_never_overlap():
 def test_perplexity_matches_direct_computation(byte_tok, tiny_model_dir):
     model = tiny_llama(tiny_model_dir, max_pos=512)
     tail = 8
-    rows = Q.perplexity_vs_context(model, byte_tok, TEXTS, context_lens=[8, 16, 128, 1024], tail=tail,
-                                   stage="base", max_windows=1)
+    rows = Q.perplexity_vs_context(
+        model, byte_tok, TEXTS, context_lens=[8, 16, 128, 1024], tail=tail, stage="base", max_windows=1
+    )
     assert [r["context_len"] for r in rows] == [8, 16, 128]  # 1024 > max positions
     # independent: one window ending at the longest length, full logits, cross-entropy of the last tokens
     stream = [i for t in TEXTS for i in [3 + b for b in t.encode("utf-8")] + [byte_tok.eos_token_id]]
@@ -215,10 +234,12 @@ def test_perplexity_matches_direct_computation(byte_tok, tiny_model_dir):
         assert r["nll"] == pytest.approx(direct, abs=1e-5)
         assert r["ppl"] == pytest.approx(math.exp(direct), rel=1e-5) and r["n_tokens"] == t
     # batching and the window cap: several windows, batch sizes agree
-    many = Q.perplexity_vs_context(model, byte_tok, TEXTS, context_lens=[16, 128], tail=tail, stage="base",
-                                   max_windows=5, batch_size=1)
-    batched = Q.perplexity_vs_context(model, byte_tok, TEXTS, context_lens=[16, 128], tail=tail, stage="base",
-                                      max_windows=5, batch_size=3)
+    many = Q.perplexity_vs_context(
+        model, byte_tok, TEXTS, context_lens=[16, 128], tail=tail, stage="base", max_windows=5, batch_size=1
+    )
+    batched = Q.perplexity_vs_context(
+        model, byte_tok, TEXTS, context_lens=[16, 128], tail=tail, stage="base", max_windows=5, batch_size=3
+    )
     assert [r["n_tokens"] for r in many] == [5 * tail] * 2
     for a, b in zip(many, batched):
         assert a["nll"] == pytest.approx(b["nll"], abs=1e-5)
@@ -253,8 +274,9 @@ def test_heldout_windows_never_contain_training_tokens(byte_tok, tmp_path, packi
     source = {"kind": "local", "path": str(FINEWEB), "text_column": "text"}
     packed = tmp_path / "transfer.safetensors"
     if packing == "train_split":
-        manifest = data.prepare_transfer_corpus(source, byte_tok, packed, seq_len=1024, num_tokens=None,
-                                                split="train", heldout_fraction=0.2, seed=0)
+        manifest = data.prepare_transfer_corpus(
+            source, byte_tok, packed, seq_len=1024, num_tokens=None, split="train", heldout_fraction=0.2, seed=0
+        )
     else:  # no hash split: only documents past the token budget are held out
         manifest = data.prepare_transfer_corpus(source, byte_tok, packed, seq_len=1024, num_tokens=300_000)
     held = Q.heldout_texts(source, exclude_manifest=packed)
@@ -330,14 +352,33 @@ def test_paired_difference_acc_norm():
 def _ppl_rows(transfer_long: float) -> list[dict]:
     base = {64: 3.0, 256: 2.8, 1024: 2.6}
     transfer = {64: 3.05, 256: 2.95, 1024: transfer_long}
-    return [{"stage": s, "context_len": L, "nll": v, "ppl": math.exp(v), "n_tokens": 640,
-             "window_nlls": [v - 0.25, v + 0.25]}
-            for s, d in (("base", base), ("transfer", transfer)) for L, v in d.items()]
+    return [
+        {
+            "stage": s,
+            "context_len": L,
+            "nll": v,
+            "ppl": math.exp(v),
+            "n_tokens": 640,
+            "window_nlls": [v - 0.25, v + 0.25],
+        }
+        for s, d in (("base", base), ("transfer", transfer))
+        for L, v in d.items()
+    ]
 
 
 def _passkey_rows(transfer_acc: float) -> list[dict]:
-    return [{"stage": s, "context_len": L, "depth": d, "accuracy": a if L < 1024 else (1.0 if s == "base" else transfer_acc), "n": 20}
-            for s, a in (("base", 1.0), ("transfer", 0.9)) for L in (256, 1024) for d in (0.1, 0.5, 0.9)]
+    return [
+        {
+            "stage": s,
+            "context_len": L,
+            "depth": d,
+            "accuracy": a if L < 1024 else (1.0 if s == "base" else transfer_acc),
+            "n": 20,
+        }
+        for s, a in (("base", 1.0), ("transfer", 0.9))
+        for L in (256, 1024)
+        for d in (0.1, 0.5, 0.9)
+    ]
 
 
 def test_csv_roundtrip(tmp_path):

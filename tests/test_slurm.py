@@ -42,7 +42,7 @@ TYPED_GPU_RULE = "lora"
 HOST_RULES = {"weights", "transfer_data", "instruct_data", "mmlu_download", "all"}
 # Deterministic artifacts a local run makes too, compared with the cluster's.
 COMPARED = [
-    "resources/data/transfer/tiny.safetensors",
+    "resources/data/transfer/tiny/L64_N2048.safetensors",
     "resources/data/instruct/tiny.safetensors",
     "results/tiny/w16/transfer/hybrid_layers.safetensors",
     "results/tiny/w16/lora/adapter_model.safetensors",
@@ -86,7 +86,7 @@ def site_profile(tmp: Path) -> Path:
     prof = yaml.safe_load(SLURM_PROFILE.read_text())
     prof["default-resources"] = {**prof["default-resources"], "mem_mb": 1500, "runtime": 30}
     set_res = {rule: dict(res) for rule, res in prof.get("set-resources", {}).items()}
-    for rule, res in set_res.items():
+    for res in set_res.values():
         if "mem_mb" in res:
             res["mem_mb"] = 1500
     for rule in FAKE_GPU_RULES:
@@ -261,7 +261,7 @@ def test_dag_on_slurm_matches_local_run(slurm_cluster, tmp_path):
         if logs[j][0] in FAKE_GPU_RULES
     )
     assert len(gpu_jobs) >= 2
-    for (s1, e1, _, j1), (s2, e2, _, j2) in zip(gpu_jobs, gpu_jobs[1:]):
+    for (_, e1, _, j1), (s2, _, _, j2) in zip(gpu_jobs, gpu_jobs[1:]):
         assert s2 >= e1, f"GPU jobs {j1} ({logs[j1]}) and {j2} ({logs[j2]}) overlapped"
     # ...because SLURM held them back, not because nothing else could run: some GPU job waited
     # in the queue while another held the GPU, and some CPU job ran beside a GPU job.

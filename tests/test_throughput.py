@@ -84,7 +84,9 @@ def test_cache_bytes(table, tiny_model_dir):
 @pytest.mark.parametrize("prompt_len", [1, 11, 40])
 def test_cached_decode_equals_uncached(kind, prompt_len, tiny_model_dir):
     model = tiny_model(tiny_model_dir, 1) if kind == "base" else tiny_hybrid(tiny_model_dir, 1)
-    ids = torch.randint(0, model.config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len)
+    )
     with_cache = greedy_decode(model, ids, 12, use_cache=True)
     without = greedy_decode(model, ids, 12, use_cache=False)
     assert with_cache.shape == (2, 12)
@@ -104,8 +106,9 @@ class _OomAbove(LlamaForCausalLM):
 
 def test_oom_is_a_row_not_a_crash(tiny_model_dir):
     model = _OomAbove(LlamaConfig.from_pretrained(tiny_model_dir)).eval()
-    df = measure_throughput({"oomy": (model, None, "sdpa")}, seq_lens=[4, 8, 16, 32], decode_tokens=2,
-                            repeats=1, warmup=0, device="cpu")
+    df = measure_throughput(
+        {"oomy": (model, None, "sdpa")}, seq_lens=[4, 8, 16, 32], decode_tokens=2, repeats=1, warmup=0, device="cpu"
+    )
     status = dict(zip(df[df["phase"] == "prefill"]["seq_len"], df[df["phase"] == "prefill"]["status"]))
     assert status == {4: "ok", 8: "ok", 16: "oom", 32: "skipped"}
     assert math.isnan(df[(df["seq_len"] == 16)]["tokens_per_s"].iloc[0])
@@ -115,9 +118,13 @@ def test_broken_variant_is_recorded(tiny_model_dir):
     def broken():
         raise ValueError("no such backend")
 
-    df = measure_throughput({"bad": broken, "base": (tiny_model(tiny_model_dir), None, "sdpa")},
-                            seq_lens=[2], decode_tokens=1,
-                            repeats=1, warmup=0)
+    df = measure_throughput(
+        {"bad": broken, "base": (tiny_model(tiny_model_dir), None, "sdpa")},
+        seq_lens=[2],
+        decode_tokens=1,
+        repeats=1,
+        warmup=0,
+    )
     assert set(df[df["variant"] == "bad"]["status"]) == {"error"}
     assert "no such backend" in df[df["variant"] == "bad"]["error"].iloc[0]
     assert set(df[df["variant"] == "base"]["status"]) == {"ok"}
@@ -161,9 +168,28 @@ def test_bench_model_ratios_and_goals(tmp_path):
 
     bench = _bench_model()
     out = tmp_path / "bench.json"
-    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--backends", "chunked",
-            "--prefill-lens", "32,96", "--decode-context", "96", "--decode-batch", "2", "--decode-tokens", "3",
-            "--repeats", "1", "--json", str(out)]
+    argv = [
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--backends",
+        "chunked",
+        "--prefill-lens",
+        "32,96",
+        "--decode-context",
+        "96",
+        "--decode-batch",
+        "2",
+        "--decode-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["layers"] == [0, 2]  # "even" layers of the 4-layer tiny model
@@ -175,12 +201,18 @@ def test_bench_model_ratios_and_goals(tmp_path):
 
     r = res["ratios"]["hybrid_chunked"]
     assert r["prefill_speedup"] == pytest.approx(
-        pick("prefill", "hybrid_chunked", 96, "prefill", "tokens_per_s") / pick("prefill", "base", 96, "prefill", "tokens_per_s"))
+        pick("prefill", "hybrid_chunked", 96, "prefill", "tokens_per_s")
+        / pick("prefill", "base", 96, "prefill", "tokens_per_s")
+    )
     assert r["decode_speedup"] == pytest.approx(
-        pick("decode", "hybrid_chunked", 96, "decode", "tokens_per_s") / pick("decode", "base", 96, "decode", "tokens_per_s"))
+        pick("decode", "hybrid_chunked", 96, "decode", "tokens_per_s")
+        / pick("decode", "base", 96, "decode", "tokens_per_s")
+    )
     # cache: 2 of 4 layers keep the 96-token KV cache, 2 keep a 64-slot window + a D x D state
     assert r["cache_ratio"] == pytest.approx(
-        pick("decode", "hybrid_chunked", 96, "decode", "cache_bytes") / pick("decode", "base", 96, "decode", "cache_bytes"))
+        pick("decode", "hybrid_chunked", 96, "decode", "cache_bytes")
+        / pick("decode", "base", 96, "decode", "cache_bytes")
+    )
     assert 0.5 < r["cache_ratio"] < 1.0
 
 
@@ -188,9 +220,15 @@ def test_bench_model_goal_verdicts():
     import pandas as pd
 
     bench = _bench_model()
-    rows = [dict(variant=v, phase=p, seq_len=n, status=s, tokens_per_s=t, cache_bytes=c)
-            for v, p, n, s, t, c in [("base", "prefill", 8, "ok", 100.0, 10), ("hyb", "prefill", 8, "ok", 150.0, 5),
-                                     ("base", "decode", 8, "ok", 10.0, 10), ("hyb", "decode", 8, "oom", 0.0, 5)]]
+    rows = [
+        dict(variant=v, phase=p, seq_len=n, status=s, tokens_per_s=t, cache_bytes=c)
+        for v, p, n, s, t, c in [
+            ("base", "prefill", 8, "ok", 100.0, 10),
+            ("hyb", "prefill", 8, "ok", 150.0, 5),
+            ("base", "decode", 8, "ok", 10.0, 10),
+            ("hyb", "decode", 8, "oom", 0.0, 5),
+        ]
+    ]
     frame = pd.DataFrame(rows)
     r = bench.model_ratios(frame, frame, prefill_len=8, decode_context=8)["hyb"]
     assert r["prefill_speedup"] == pytest.approx(1.5) and math.isnan(r["decode_speedup"])

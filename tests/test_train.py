@@ -449,3 +449,15 @@ def test_converted_stage_is_the_untrained_conversion(tiny_model_dir):
         assert torch.equal(model(input_ids=ids).logits, ref.eval()(input_ids=ids).logits)
     with pytest.raises(ValueError, match="converted"):
         load_stage(tiny_model_dir, "converted", hybrid=HEDGEHOG, hybrid_layers="x.safetensors")
+
+
+def test_optimizer_groups_give_logits_and_feature_maps_their_own_lr():
+    from hybrid_llama.train.common import make_optimizer
+
+    p = {n: torch.nn.Parameter(torch.zeros(2)) for n in ("a.q_proj.lora_A", "a.mixing.window_logit",
+                                                         "a.feature_map.q.weight", "a.feature_map.k.bias")}
+    cfg = {**tr.TRANSFER_DEFAULTS, "lr": 1e-3, "logits_lr": 0.05, "feature_map_lr": 0.01}
+    groups = make_optimizer(list(p.items()), cfg).param_groups
+    assert [(g["lr"], len(g["params"])) for g in groups] == [(1e-3, 1), (0.05, 1), (0.01, 2)]
+    cfg.update(logits_lr=None, feature_map_lr=None)
+    assert [g["lr"] for g in make_optimizer(list(p.items()), cfg).param_groups] == [1e-3] * 3

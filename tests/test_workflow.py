@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from hybrid_llama.pipeline import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,18 +151,29 @@ def test_schema_is_valid_and_describes_every_key():
         if set(sub) != {"default"} and not (sub.get("description") or resolved.get("description"))
     ]
     for d in defs.values():
-        undocumented += [".".join(p) for p, sub, r in _walk_properties(d, defs) if not (sub.get("description") or r.get("description"))]
+        undocumented += [
+            ".".join(p)
+            for p, sub, r in _walk_properties(d, defs)
+            if not (sub.get("description") or r.get("description"))
+        ]
     assert undocumented == []
 
 
 def test_schema_fills_defaults_for_a_minimal_config():
     from snakemake.utils import validate
 
-    cfg = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
-           "variants": [{"name": "v", "hybrid": {"layers": [0]}}]}
+    cfg = {
+        "models": [{"name": "m", "kind": "random", "preset": "tiny"}],
+        "variants": [{"name": "v", "hybrid": {"layers": [0]}}],
+    }
     validate(cfg, str(REPO / "config" / "schema.yaml"))
-    assert cfg["variants"][0]["hybrid"] == {"layers": [0], "window": 64, "formulation": "hybrid",
-                                            "feature_map": "elu1", "backend": "auto"}
+    assert cfg["variants"][0]["hybrid"] == {
+        "layers": [0],
+        "window": 64,
+        "formulation": "hybrid",
+        "feature_map": "elu1",
+        "backend": "auto",
+    }
     assert cfg["lora"]["r"] == 8 and cfg["lora"]["alpha"] == 16 and cfg["lora"]["lr"] == 1e-4
     assert cfg["base_lora"]["target"] == "all" and "r" not in cfg["base_lora"]  # overrides only
     assert cfg["transfer"]["trainable"] == "logits+qkvo"
@@ -196,8 +208,10 @@ BAD_CONFIGS = {
     "reserved_variant": (lambda c: c["variants"][0].update(name="base"), ["'name'", "should not be valid"]),
     "typo_key": (lambda c: c["transfer"].update(lrr=0.1), ["lrr", "Additional properties"]),
     "bad_device": (lambda c: c.update(devices=["gpu0"]), ["devices", "gpu0"]),
-    "unknown_feature_map": (lambda c: c["variants"][0]["hybrid"].update(feature_map="relu"),
-                            ["feature_map", "relu", "is not one of"]),
+    "unknown_feature_map": (
+        lambda c: c["variants"][0]["hybrid"].update(feature_map="relu"),
+        ["feature_map", "relu", "is not one of"],
+    ),
     "trainable_selects_nothing": (
         lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}),
         ["'variants[w16].transfer.trainable'", "selects nothing", "elu1"],
@@ -327,7 +341,7 @@ def test_whole_dag_outputs(built):
     # the LoLCATs variant's LoRA distilled from the base model and trained its feature maps
     lora = json.loads((wf / f"results/{M}/{L}/lora/metrics.json").read_text())
     assert lora["objective"] == "distill" and lora["val_metric"] == "kl"
-    assert f"model.layers.2.self_attn.feature_map" in lora["modules_to_save"]
+    assert "model.layers.2.self_attn.feature_map" in lora["modules_to_save"]
     # the window-only control's share of the normalizer is the window's, entirely
     shares = (wf / f"results/{M}/{C}/quality/{D}/components.csv").read_text().splitlines()[1:]
     assert shares and all(float(line.split(",")[3]) == 1.0 for line in shares)
@@ -348,15 +362,22 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
     cfg = copy.deepcopy(cfg)
     cfg["lora"]["r"] = cfg["lora"]["r"] // 2
     expected = (
-        {("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
-         ("lora", f"results/{M}/{L}/lora/adapter_model.safetensors"),
-         ("base_lora", f"results/{M}/base_lora/lora/adapter_model.safetensors"),
-         ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
-         ("plot_lora_loss", f"results/plots/{M}/{L}/lora_loss.png"),
-         ("plot_lora_loss", f"results/plots/{M}/base_lora/lora_loss.png")}
-        | _stage_jobs(V, "transfer_lora") | _stage_jobs(L, "transfer_lora") | _stage_jobs("base_lora", "base_lora")
+        {
+            ("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
+            ("lora", f"results/{M}/{L}/lora/adapter_model.safetensors"),
+            ("base_lora", f"results/{M}/base_lora/lora/adapter_model.safetensors"),
+            ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
+            ("plot_lora_loss", f"results/plots/{M}/{L}/lora_loss.png"),
+            ("plot_lora_loss", f"results/plots/{M}/base_lora/lora_loss.png"),
+        }
+        | _stage_jobs(V, "transfer_lora")
+        | _stage_jobs(L, "transfer_lora")
+        | _stage_jobs("base_lora", "base_lora")
         # every variant's perplexity and passkey tables hold the base_lora control's rows
-        | _tables(V) | _tables(L) | _tables(C, ("perplexity", "passkey")) | REPORT
+        | _tables(V)
+        | _tables(L)
+        | _tables(C, ("perplexity", "passkey"))
+        | REPORT
     )
     assert _plan(wf, cfg, "lora_r") == expected
 
@@ -367,14 +388,19 @@ def test_window_change_reruns_transfer_onward(built):
     cfg = copy.deepcopy(cfg)
     cfg["variants"][0]["hybrid"]["window"] = 8
     expected = (
-        {("transfer", f"results/{M}/{V}/transfer/hybrid_layers.safetensors"),
-         ("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
-         ("plot_transfer_loss", f"results/plots/{M}/{V}/transfer_loss.png"),
-         ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
-         # throughput compares the variants' hybrid layouts, so it depends on the window too
-         ("throughput", f"results/{M}/throughput/{D}.csv"),
-         ("plot_throughput", f"results/plots/{M}/throughput_{D}.png")}
-        | _stage_jobs(V, "transfer") | _stage_jobs(V, "transfer_lora") | _tables(V) | REPORT
+        {
+            ("transfer", f"results/{M}/{V}/transfer/hybrid_layers.safetensors"),
+            ("lora", f"results/{M}/{V}/lora/adapter_model.safetensors"),
+            ("plot_transfer_loss", f"results/plots/{M}/{V}/transfer_loss.png"),
+            ("plot_lora_loss", f"results/plots/{M}/{V}/lora_loss.png"),
+            # throughput compares the variants' hybrid layouts, so it depends on the window too
+            ("throughput", f"results/{M}/throughput/{D}.csv"),
+            ("plot_throughput", f"results/plots/{M}/throughput_{D}.png"),
+        }
+        | _stage_jobs(V, "transfer")
+        | _stage_jobs(V, "transfer_lora")
+        | _tables(V)
+        | REPORT
     )
     assert _plan(wf, cfg, "window") == expected
 
@@ -391,8 +417,10 @@ def test_corpus_change_repacks_and_retrains_only_that_variant(built):
         ("lora", f"results/{M}/{L}/lora/adapter_model.safetensors"),
     }
     # the held-out text is the same, but perplexity and the diagnostic read every corpus' manifest
-    assert not any(j[1] and f"/{V}/" in j[1] and j[0] not in ("perplexity", "components", "quality_table",
-                                                              "plot_quality") for j in planned)
+    assert not any(
+        j[1] and f"/{V}/" in j[1] and j[0] not in ("perplexity", "components", "quality_table", "plot_quality")
+        for j in planned
+    )
 
 
 @pytest.mark.slow
@@ -412,8 +440,12 @@ def test_editing_a_script_reruns_that_rule(built):
     try:
         script.write_text(original + "\n# edited\n")
         expected = {("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv") for slot, stage in ALL_SLOTS}
-        expected |= _tables(V, ("passkey",)) | _tables(L, ("passkey",)) | _tables(C, ("passkey",)) | {
-            ("report", "results/report.html"), ("all", None)}
+        expected |= (
+            _tables(V, ("passkey",))
+            | _tables(L, ("passkey",))
+            | _tables(C, ("passkey",))
+            | {("report", "results/report.html"), ("all", None)}
+        )
         assert _plan(wf, cfg, "script") == expected
     finally:
         script.write_text(original)
@@ -423,7 +455,9 @@ def test_editing_a_script_reruns_that_rule(built):
 @pytest.mark.slow
 def test_snakemake_report(built):
     wf, cfg, _ = built
-    out = snakemake(wf, "--report", "results/snakemake-report.html", configfile=wf / "config" / "test.yaml", timeout=600)
+    out = snakemake(
+        wf, "--report", "results/snakemake-report.html", configfile=wf / "config" / "test.yaml", timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = (wf / "results" / "snakemake-report.html").read_text(errors="replace")
     assert "mmlu" in text.lower() and len(text) > 10_000

@@ -122,7 +122,7 @@ def path(name: str, **wildcards: Any) -> str:
     return re.sub(r"\{(\w+)\}", lambda m: str(wildcards.get(m.group(1), m.group(0))), template)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _path_regex(name: str) -> re.Pattern:
     parts = re.split(r"(\{\w+\})", PATHS[name])
     regex = "".join(
@@ -402,16 +402,22 @@ class Pipeline:
         if self.trained(v, "transfer"):
             parts = set(t["trainable"].split("+"))
             if hybrid["feature_map"] == "elu1" and parts == {"feature_map"}:
-                raise ConfigError(self._key(v, "transfer", "trainable"),
-                                  f"'{t['trainable']}' selects nothing: variant '{v}' uses elu1, which has no parameters")
+                raise ConfigError(
+                    self._key(v, "transfer", "trainable"),
+                    f"'{t['trainable']}' selects nothing: variant '{v}' uses elu1, which has no parameters",
+                )
             if hybrid["formulation"] == "window" and "qkvo" not in parts:
-                raise ConfigError(self._key(v, "transfer", "trainable"),
-                                  f"'{t['trainable']}' trains nothing a window-only layer ('formulation: window') uses")
+                raise ConfigError(
+                    self._key(v, "transfer", "trainable"),
+                    f"'{t['trainable']}' trains nothing a window-only layer ('formulation: window') uses",
+                )
             for model in self.models:
                 positions = self.model_architecture(model).get("max_position_embeddings")
                 if positions is not None and t["seq_len"] > positions:
-                    raise ConfigError(self._key(v, "transfer", "seq_len"),
-                                      f"{t['seq_len']} tokens is longer than model '{model}' has positions ({positions})")
+                    raise ConfigError(
+                        self._key(v, "transfer", "seq_len"),
+                        f"{t['seq_len']} tokens is longer than model '{model}' has positions ({positions})",
+                    )
             if t["num_tokens"] is not None:
                 rows = t["num_tokens"] // t["seq_len"]
                 need = {"transfer": t["eval_sequences"] + t["batch_size"]}
@@ -422,11 +428,16 @@ class Pipeline:
                         raise ConfigError(
                             self._key(v, "transfer", "num_tokens"),
                             f"{t['num_tokens']} tokens make {rows} rows of seq_len {t['seq_len']}; {what} of variant "
-                            f"'{v}' needs at least {n} (eval_sequences + one batch)")
+                            f"'{v}' needs at least {n} (eval_sequences + one batch)",
+                        )
         if self.trained(v, "transfer_lora") and lora["objective"] == "distill" and hybrid["formulation"] == "window":
-            raise ConfigError(self._key(v, "lora", "objective"), "a window-only variant has no hybrid layers to distill")
+            raise ConfigError(
+                self._key(v, "lora", "objective"), "a window-only variant has no hybrid layers to distill"
+            )
         if "base_lora" in self.stages and self.lora("base_lora")["objective"] != "instruct":
-            raise ConfigError("base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')")
+            raise ConfigError(
+                "base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')"
+            )
 
     @staticmethod
     def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int | None) -> None:
@@ -472,7 +483,9 @@ class Pipeline:
         quality), or every variant when none trains."""
         return self.transfer_slots() or list(self.variants)
 
-    def corpus_files(self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus") -> list[str]:
+    def corpus_files(
+        self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
+    ) -> list[str]:
         """The transfer corpora of the trained variants (one per distinct seq_len/num_tokens); when no
         variant trains, the top-level transfer section's corpus (perplexity reads its held-out split)."""
         variants = self.transfer_slots() if variants is None else list(variants)
@@ -507,8 +520,14 @@ class Pipeline:
         included, except for the component diagnostic (hybrid stages only)."""
         shared = [] if kind == "components" else [s for s in self.stages if s in SHARED_STAGES]
         return [
-            path("stage_quality", model=model, variant=s if s in SHARED_STAGES else variant, device=device,
-                 stage=s, kind=kind)
+            path(
+                "stage_quality",
+                model=model,
+                variant=s if s in SHARED_STAGES else variant,
+                device=device,
+                stage=s,
+                kind=kind,
+            )
             for s in [*shared[:1], *self.variant_stages(variant), *shared[1:]]
         ]
 
@@ -521,13 +540,21 @@ class Pipeline:
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {
             "mmlu": [f for m in m_ for f in self.mmlu_files(m)],
-            "quality": [path("quality", model=m, variant=v, device=d, kind=k)
-                        for m in m_ for v in v_ for d in d_ for k in QUALITY_KINDS],
+            "quality": [
+                path("quality", model=m, variant=v, device=d, kind=k)
+                for m in m_
+                for v in v_
+                for d in d_
+                for k in QUALITY_KINDS
+            ],
             "throughput": [path("throughput", model=m, device=d) for m in m_ for d in d_],
-            "generations": [path("generations", model=m, variant=slot, stage=stage)
-                            for m in m_ for slot, stage in self.eval_slots()],
+            "generations": [
+                path("generations", model=m, variant=slot, stage=stage) for m in m_ for slot, stage in self.eval_slots()
+            ],
             "plots": plots,
-            "transfer_metrics": [path("transfer_metrics", model=m, variant=v) for m in m_ for v in self.transfer_slots()],
+            "transfer_metrics": [
+                path("transfer_metrics", model=m, variant=v) for m in m_ for v in self.transfer_slots()
+            ],
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],

@@ -19,6 +19,8 @@ rule lora:
         benchmark_of("lora/{model}/{variant}")
     wildcard_constraints:
         variant="|".join(VARIANTS),
+    # Training gates most of the DAG: run it before the evaluations that could wait.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]
@@ -44,6 +46,8 @@ rule base_lora:
         log_of("lora/{model}/base_lora"),
     benchmark:
         benchmark_of("lora/{model}/base_lora")
+    # Training gates most of the DAG: run it before the evaluations that could wait.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]

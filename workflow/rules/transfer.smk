@@ -18,6 +18,8 @@ rule transfer:
         benchmark_of("transfer/{model}/{variant}")
     wildcard_constraints:
         variant="|".join(VARIANTS),
+    # Training gates most of the DAG: run it before the evaluations that could wait.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     threads: config["threads"]["train"]

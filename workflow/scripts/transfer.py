@@ -17,6 +17,7 @@ w, hybrid, train = snakemake.wildcards, dict(snakemake.params.hybrid), dict(snak
 ckpt = path("checkpoints", kind="transfer", model=w.model, variant=w.variant, key=settings_key(hybrid, train))
 train["device"] = require_device(train["device"])
 train["checkpoint_dir"] = ckpt
-metrics = run_transfer(model_dir(snakemake), snakemake.input.tokens, hybrid, train, Path(snakemake.output.layers).parent)
+out_dir = Path(snakemake.output.layers).parent
+metrics = run_transfer(model_dir(snakemake), snakemake.input.tokens, hybrid, train, out_dir)
 shutil.rmtree(ckpt, ignore_errors=True)
 print(json.dumps(metrics, indent=1, default=str))

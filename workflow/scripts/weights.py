@@ -1,6 +1,7 @@
 """Resolve a model spec to resources/weights/{model}/ (config.json, model.safetensors, tokenizer)."""
 
 import json
+import shutil
 from pathlib import Path
 
 from common import start
@@ -8,8 +9,6 @@ from common import start
 start(snakemake, torch_threads=False)
 
 from hybrid_llama.weights import resolve_model, sha256_of
-
-import shutil
 
 dest = Path(snakemake.output.config).parent
 # resolve_model refuses a directory made from another spec: a rerun (spec changed) starts clean.

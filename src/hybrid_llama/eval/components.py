@@ -11,8 +11,8 @@ perplexity, so the report shows the share per layer at a few context lengths.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 

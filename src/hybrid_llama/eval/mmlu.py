@@ -218,7 +218,8 @@ def run_mmlu(
     meta: dict | None = None,
     log_prompts: bool = False,
 ) -> dict:
-    """Evaluate ``model`` on MMLU with lm-eval and return the result dict (keys: see ``write_result`` and docs/design.md)."""
+    """Evaluate ``model`` on MMLU with lm-eval and return the result dict (keys: see ``write_result``
+    and docs/design.md)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
     import lm_eval
@@ -334,8 +335,17 @@ def load_result(path: str | Path) -> dict:
 # ---------------------------------------------------------------- compare
 
 
-_SETTINGS = ("fmt", "shots", "limit", "subjects", "lm_eval_version", "dtype", "device_name", "model_hash",
-             "adapter_hash")
+_SETTINGS = (
+    "fmt",
+    "shots",
+    "limit",
+    "subjects",
+    "lm_eval_version",
+    "dtype",
+    "device_name",
+    "model_hash",
+    "adapter_hash",
+)
 
 
 def compare(path_a: str | Path | dict, path_b: str | Path | dict) -> dict:

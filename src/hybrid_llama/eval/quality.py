@@ -1,4 +1,4 @@
-"""Quality metrics that can see what linearization costs (issue 8).
+"""Quality metrics that can see what linearization costs.
 
 - `perplexity_vs_context`: token NLL on held-out text as a function of context length. Every context
   length above `tail` scores the *same* target tokens (the windows end at the same stream positions, only their
@@ -18,8 +18,9 @@ import math
 import random
 import re
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -346,12 +347,12 @@ def passkey_accuracy(
                         prompts.append(ids)
                         keys.append(str(key))
                 except ValueError as e:
-                    warnings.warn(f"passkey: skipping context {L}: {e}")
+                    warnings.warn(f"passkey: skipping context {L}: {e}", stacklevel=2)
                     continue
                 # room for the key plus a little slack for a leading space or punctuation token
                 new_tokens = max(len(_encode(tokenizer, " " + k)) for k in keys) + 3
                 if limit is not None and L + new_tokens > limit:
-                    warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}")
+                    warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}", stacklevel=2)
                     continue
                 hits = 0
                 for i in range(0, trials, batch_size):
@@ -366,7 +367,9 @@ def passkey_accuracy(
                     )
                     for row, key in zip(out[:, batch.shape[1] :].tolist(), keys[i : i + batch_size]):
                         hits += key_found(tokenizer.decode(row, skip_special_tokens=True), key)
-                rows.append({"stage": stage, "context_len": L, "depth": float(depth), "accuracy": hits / trials, "n": trials})
+                rows.append(
+                    {"stage": stage, "context_len": L, "depth": float(depth), "accuracy": hits / trials, "n": trials}
+                )
     finally:
         model.train(was_training)
     return rows
@@ -459,8 +462,9 @@ def write_rows(rows: Iterable[dict], path: str | Path, columns: Sequence[str]) -
         w.writeheader()
         for row in rows:
             # lists (a perplexity row's per-window NLLs) become one space-separated cell
-            w.writerow({c: " ".join(f"{x:.6g}" for x in row[c]) if isinstance(row[c], list) else row[c]
-                        for c in columns})
+            w.writerow(
+                {c: " ".join(f"{x:.6g}" for x in row[c]) if isinstance(row[c], list) else row[c] for c in columns}
+            )
     return path
 
 
@@ -481,8 +485,16 @@ def write_passkey_csv(rows: Iterable[dict], path: str | Path) -> Path:
 
 
 def read_perplexity_csv(path: str | Path) -> list[dict]:
-    return read_rows(path, {"context_len": int, "nll": float, "ppl": float, "n_tokens": int,
-                            "window_nlls": lambda text: [float(x) for x in text.split()]})
+    return read_rows(
+        path,
+        {
+            "context_len": int,
+            "nll": float,
+            "ppl": float,
+            "n_tokens": int,
+            "window_nlls": lambda text: [float(x) for x in text.split()],
+        },
+    )
 
 
 def paired_nll_difference(rows: list[dict], stage_a: str, stage_b: str, context_len: int) -> dict | None:

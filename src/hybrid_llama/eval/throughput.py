@@ -98,7 +98,7 @@ class _Timer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
 
-    def __enter__(self) -> "_Timer":
+    def __enter__(self) -> _Timer:
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -373,7 +373,8 @@ def build_throughput_variants(
         if b == "seed_naive" and not seed_naive_available():
             log.warning("throughput: no seed_naive variant (hybrid_llama.ops does not accept backend='seed_naive')")
             continue
-        if b == "seed_naive" and (cfg.get("formulation", "hybrid"), cfg.get("feature_map", "elu1")) != ("hybrid", "elu1"):
+        recipe = (cfg.get("formulation", "hybrid"), cfg.get("feature_map", "elu1"))
+        if b == "seed_naive" and recipe != ("hybrid", "elu1"):
             log.info("throughput: seed_naive implements only the recreation's formulation (hybrid, elu1)")
             continue
         out[f"hybrid_{b}"] = hybrid(b)

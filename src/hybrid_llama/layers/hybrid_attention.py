@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-from hybrid_llama.ops import HybridState, HedgehogFeatureMap, hybrid_attention, hybrid_attention_step, prefill_state
+from hybrid_llama.ops import HedgehogFeatureMap, HybridState, hybrid_attention, hybrid_attention_step, prefill_state
 from hybrid_llama.ops.reference import FORMULATIONS
 
 FEATURE_MAPS = ("elu1", "hedgehog")
@@ -47,7 +47,7 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.feature_map must be one of {FEATURE_MAPS}, got {self.feature_map!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HybridConfig":
+    def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
         known = {"layers", "window", "formulation", "feature_map", "backend"}
         unknown = set(d) - known
         if unknown:
@@ -102,7 +102,9 @@ def make_feature_map(kind: str, num_heads: int, head_dim: int, num_kv_heads: int
     if kind == "elu1":
         return Elu1FeatureMap(head_dim)
     if kind == "hedgehog":
-        return QKFeatureMaps(HedgehogFeatureMap(num_heads, head_dim), HedgehogFeatureMap(num_kv_heads or num_heads, head_dim))
+        return QKFeatureMaps(
+            HedgehogFeatureMap(num_heads, head_dim), HedgehogFeatureMap(num_kv_heads or num_heads, head_dim)
+        )
     raise ValueError(f"unknown feature_map {kind!r}; use one of {FEATURE_MAPS}")
 
 
@@ -246,7 +248,9 @@ class HybridLlamaAttention(LlamaAttention):
             hybrid.feature_map, self.num_heads, self.head_dim, config.num_key_value_heads
         )
 
-    def project(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def project(
+        self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """q ``[B, H, T, D]`` and k, v ``[B, H_kv, T, D]`` of the layer's input, RoPE applied to q, k.
         k/v stay at the KV heads (GQA): the kernels index them, and the decode state (window
         buffers, S, z) is kept once per KV head instead of once per query head."""
@@ -288,8 +292,16 @@ class HybridLlamaAttention(LlamaAttention):
                     "(forward ran in training mode); run the prefill in eval mode to decode"
                 )
             out = hybrid_attention(
-                q, k, v, wl, ll, window=cfg.window, backend=cfg.backend, formulation=cfg.formulation,
-                feature_map=fmap, key_padding_mask=valid,
+                q,
+                k,
+                v,
+                wl,
+                ll,
+                window=cfg.window,
+                backend=cfg.backend,
+                formulation=cfg.formulation,
+                feature_map=fmap,
+                key_padding_mask=valid,
             )
             if slot is not None:
                 state = None
@@ -303,9 +315,16 @@ class HybridLlamaAttention(LlamaAttention):
             state, outs = slot.state, []
             for t in range(q_len):
                 o, state = hybrid_attention_step(
-                    q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll,
-                    feature_map=fmap, formulation=cfg.formulation,
-                    key_valid=None if valid is None else valid[:, t], backend=cfg.backend,
+                    q[:, :, t : t + 1],
+                    k[:, :, t : t + 1],
+                    v[:, :, t : t + 1],
+                    state,
+                    wl,
+                    ll,
+                    feature_map=fmap,
+                    formulation=cfg.formulation,
+                    key_valid=None if valid is None else valid[:, t],
+                    backend=cfg.backend,
                 )
                 outs.append(o)
             out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)

@@ -17,7 +17,7 @@ formulation without padding; its decode step is the torch step).
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from torch import Tensor
 

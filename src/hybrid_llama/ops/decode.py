@@ -34,14 +34,14 @@ class HybridState:
     def window(self) -> int:
         return self.k_window.shape[2]
 
-    def index_select(self, batch_index: Tensor) -> "HybridState":
+    def index_select(self, batch_index: Tensor) -> HybridState:
         """The state of the rows ``batch_index`` (beam search / batch reordering)."""
         pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
         return HybridState(
             pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen
         )
 
-    def to(self, device=None, dtype=None) -> "HybridState":
+    def to(self, device=None, dtype=None) -> HybridState:
         """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
         return HybridState(
             self.k_window.to(device=device, dtype=dtype),

@@ -11,13 +11,13 @@ its own query map.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-FeatureMap = Union[str, Callable[[Tensor], Tensor], tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]
+FeatureMap = str | Callable[[Tensor], Tensor] | tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
 
 def elu1(x: Tensor) -> Tensor:

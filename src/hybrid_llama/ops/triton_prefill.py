@@ -711,7 +711,8 @@ def hybrid_attention_triton(
     feature width is above 64)."""
     lolcats, linear = formulation_flags(formulation)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"q must be [B, H, T, D], k/v [B, H_kv, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"q must be [B, H, T, D], k/v [B, H_kv, T, D]; got {shapes}")
     B, H, T, D = q.shape
     if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D or H % k.shape[1] != 0:
         raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (need H % H_kv == 0)")
@@ -738,5 +739,6 @@ def hybrid_attention_triton(
         raise ValueError(f"block_size must be a power of two >= 16, got {block}")
     if T == 0:
         return q.new_zeros(q.shape)
-    return _HybridAttentionTriton.apply(q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats,
-                                        linear, key_padding_mask, block)
+    return _HybridAttentionTriton.apply(
+        q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats, linear, key_padding_mask, block
+    )

@@ -195,7 +195,7 @@ def quality_tables(res: Results, model: str, device: str) -> dict:
     nll = []
     for L in res.context_lens("perplexity", model, device):
         cells = []
-        for variant, stage, rows in ppl:
+        for _variant, stage, rows in ppl:
             r = next((r for r in rows if int(r["context_len"]) == L), None)
             d = nll_delta(rows, base, L) if stage != "base" else None
             delta = f" ({plus_minus(d['diff'], d['stderr'])})" if d else ""

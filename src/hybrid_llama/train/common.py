@@ -110,19 +110,25 @@ def autocast(device: torch.device, enabled: bool = True):
 
 
 def make_optimizer(named: Iterable[tuple[str, torch.nn.Parameter]], cfg: dict) -> torch.optim.AdamW:
-    """AdamW over the trainable params; mixing logits (names containing ``mixing.``) may get ``logits_lr``.
+    """AdamW over the trainable params in up to three groups: the mixing logits (names containing
+    ``mixing.``) at ``logits_lr``, the feature maps (``feature_map.``) at ``feature_map_lr``, the
+    rest at ``lr`` (a group's lr of None means ``lr``).
 
     The logits need far larger steps than the weights: moving a/b = sigmoid(logit) meaningfully takes
-    O(1) changes, which lr 1e-3 does not reach in a short run.
+    O(1) changes, which lr 1e-3 does not reach in a short run; Hedgehog maps start at the identity
+    and likewise want larger steps than a LoRA update of pretrained projections.
     """
     named = [(n, p) for n, p in named if p.requires_grad]
     if not named:
         raise ValueError("nothing to train: no parameter requires grad")
-    logits_lr = cfg.get("logits_lr")
+
+    def group_of(name: str) -> str:
+        return "logits" if "mixing." in name else "feature_map" if "feature_map." in name else "weights"
+
     groups = []
-    for is_logit in (False, True):
-        params = [p for n, p in named if ("mixing." in n) == is_logit]
-        lr = logits_lr if (is_logit and logits_lr is not None) else cfg["lr"]
+    for group, key in (("weights", None), ("logits", "logits_lr"), ("feature_map", "feature_map_lr")):
+        params = [p for n, p in named if group_of(n) == group]
+        lr = cfg.get(key) if key and cfg.get(key) is not None else cfg["lr"]
         if params:
             groups.append({"params": params, "lr": lr, "base_lr": lr})
     return torch.optim.AdamW(groups, betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"], foreach=False)

@@ -32,10 +32,9 @@ from torch import nn
 from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.common import (
-    stage_defaults,
     LossCSV,
-    add_hybrid_arguments,
     NonFiniteError,
+    add_hybrid_arguments,
     autocast,
     batch_order,
     hybrid_from_arguments,
@@ -43,6 +42,7 @@ from hybrid_llama.train.common import (
     pick_device,
     run_steps,
     seed_everything,
+    stage_defaults,
 )
 
 __all__ = ["run_finetune", "FINETUNE_DEFAULTS", "lora_targets", "validation_loss"]
@@ -170,7 +170,7 @@ def _locate_nonfinite(model: nn.Module, batch: dict[str, torch.Tensor], step: in
         if m is None:
             continue
 
-        def hook(_m, _a, out, i=m.group(1)):
+        def hook(_m, _a, out, i=m[1]):
             t = out[0] if isinstance(out, tuple) else out
             if not bad and not bool(torch.isfinite(t).all()):
                 bad.append(f"layer {i}")
@@ -338,16 +338,21 @@ def run_finetune(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hybrid_llama.train.finetune", description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--data", required=True,
-                    help="instruction data (objective instruct) or packed transfer rows (distill) from hybrid_llama.data")
-    add_hybrid_arguments(ap, layers_help="comma-separated hybrid layers (omit for the base+LoRA control)",
-                         layers_required=False)
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="instruction data (objective instruct) or packed transfer rows (distill) from hybrid_llama.data",
+    )
+    add_hybrid_arguments(
+        ap, layers_help="comma-separated hybrid layers (omit for the base+LoRA control)", layers_required=False
+    )
     ap.add_argument("--hybrid-layers", default=None, help="hybrid_layers.safetensors from the transfer stage")
     ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (config/schema.yaml: lora)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    m = run_finetune(a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a),
-                     hybrid_layers=a.hybrid_layers)
+    m = run_finetune(
+        a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a), hybrid_layers=a.hybrid_layers
+    )
     print(json.dumps({k: m[k] for k in ("val_loss_before", "val_loss_after", "wall_time_s", "tokens_per_s")}, indent=1))
 
 

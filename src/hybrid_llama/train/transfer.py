@@ -25,17 +25,17 @@ from torch import nn
 from hybrid_llama.data import load_packed
 from hybrid_llama.stages import as_hybrid_config, load_base, resolve_dtype
 from hybrid_llama.train.common import (
-    stage_defaults,
     LossCSV,
     add_hybrid_arguments,
     autocast,
     batch_order,
-    hybrid_from_arguments,
     check_finite,
+    hybrid_from_arguments,
     merge_config,
     pick_device,
     run_steps,
     seed_everything,
+    stage_defaults,
 )
 
 __all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_PARTS", "layer_mse"]
