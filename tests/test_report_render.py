@@ -397,7 +397,12 @@ def test_no_result_files_at_all_still_renders(tmp_path):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (tests/run.sh installs it)")
 def test_headline_is_above_the_fold_in_chromium(report, tmp_path):
-    """What a reader sees first in a 1280 x 800 window: the whole headline table, before any figure."""
+    assert_headline_above_the_fold(report, tmp_path)
+
+
+def assert_headline_above_the_fold(report: Path, tmp_path: Path) -> None:
+    """What a reader sees first in a 1280 x 800 window: the whole headline table, before any figure
+    (also run on the report the test DAG writes, in tests/test_workflow.py)."""
     width, height = 1280, 800
     probe = """<script>
     const box = e => { const r = e.getBoundingClientRect(); return {top: r.top, bottom: r.bottom, right: r.right}; };

@@ -313,6 +313,16 @@ def _plan(wf: Path, cfg: dict, name: str) -> set:
 
 
 @pytest.mark.slow
+def test_dag_report_headline_is_above_the_fold(built, tmp_path):
+    """The report the test DAG wrote, as a reader opens it: the headline table above the fold."""
+    from test_report_render import CHROMIUM, assert_headline_above_the_fold
+
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium not installed (tests/run.sh installs it)")
+    assert_headline_above_the_fold(built[0] / "results" / "report.html", tmp_path)
+
+
+@pytest.mark.slow
 def test_whole_dag_outputs(built):
     wf, _, seconds = built
     html = (wf / "results" / "report.html").read_text()
