@@ -43,42 +43,46 @@ def _windows(ax, windows: dict[str, int] | None) -> None:
                     textcoords="offset points", fontsize=7, color="0.3")
 
 
-def plot_nll(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str,
-             windows: dict[str, int] | None = None) -> list[Path]:
-    """Held-out NLL of the last tokens vs context length (log x), every stage of every variant."""
+def _context_figure(tables: dict[str, list[dict]], points, out_stem: str | Path, *, title: str, ylabel: str,
+                    windows: dict[str, int] | None, ylim: tuple[float, float] | None = None) -> list[Path]:
+    """One line per (variant, stage) of ``points(rows) -> (context lengths, values)``, log-2 x axis,
+    the windows marked."""
     fig = Figure(figsize=(8, 5), layout="constrained")
     ax = fig.subplots()
     for label, style, rows in _lines(tables):
-        pts = sorted((int(r["context_len"]), float(r["nll"])) for r in rows)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4, label=label, **style)
+        ax.plot(*points(rows), ms=4, label=label, **style)
     _windows(ax, windows)
     log2_axis(ax)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_xlabel("context length (tokens, log scale)")
-    ax.set_ylabel("NLL of the scored tail tokens (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title(title)
     return save_figure(fig, out_stem)
+
+
+def plot_nll(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str,
+             windows: dict[str, int] | None = None) -> list[Path]:
+    """Held-out NLL of the last tokens vs context length (log x), every stage of every variant."""
+    def nll(rows: list[dict]) -> tuple[list[int], list[float]]:
+        pts = sorted((int(r["context_len"]), float(r["nll"])) for r in rows)
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    return _context_figure(tables, nll, out_stem, title=title, windows=windows,
+                           ylabel="NLL of the scored tail tokens (nats/token)")
 
 
 def plot_passkey(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str,
                  windows: dict[str, int] | None = None) -> list[Path]:
     """Passkey accuracy (all depths pooled) vs context length (log x), every stage of every variant."""
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    ax = fig.subplots()
-    for label, style, rows in _lines(tables):
+    def accuracy(rows: list[dict]) -> tuple[list[int], list[float]]:
         lens = sorted({int(r["context_len"]) for r in rows})
-        acc = [100 * passkey_at(rows, L)["accuracy"] for L in lens]
-        ax.plot(lens, acc, ms=4, label=label, **style)
-    _windows(ax, windows)
-    log2_axis(ax)
-    ax.set_ylim(-5, 105)
-    ax.set_xlabel("context length (tokens, log scale)")
-    ax.set_ylabel("passkey retrieved (% of trials, all depths)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(title)
-    return save_figure(fig, out_stem)
+        return lens, [100 * passkey_at(rows, L)["accuracy"] for L in lens]
+
+    return _context_figure(tables, accuracy, out_stem, title=title, windows=windows, ylim=(-5, 105),
+                           ylabel="passkey retrieved (% of trials, all depths)")
 
 
 def plot_components(tables: dict[str, list[dict]], out_stem: str | Path, *, title: str) -> list[Path]:

@@ -186,8 +186,8 @@ def speed_ratios(rows: list[dict], slot: str, phase: str) -> tuple[list[int], li
 
 
 def crossover(lengths: list[int], ratio: list[float]) -> float | None:
-    """The length where ``ratio`` (variant / base) first rises through 1 and stays above it at the
-    next measured length, interpolated linearly in log-log; None if it never does."""
+    """The length where ``ratio`` (variant / base) first rises through 1 between two measured
+    lengths, interpolated linearly in log-log; None if it never does."""
     points = [(L, r) for L, r in zip(lengths, ratio) if r > 0 and not math.isnan(r)]
     for (l0, r0), (l1, r1) in pairwise(points):
         if r0 < 1 <= r1:

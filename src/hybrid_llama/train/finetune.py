@@ -239,7 +239,8 @@ def run_finetune(
 
             convert_to_hybrid(model, **asdict(hcfg))
     n_layers = len(model.model.layers)
-    has_fmaps = hcfg is not None and hcfg.feature_map != "elu1"
+    # Learnable feature maps (Hedgehog) are whatever feature-map module has parameters.
+    has_fmaps = any(".feature_map." in name for name, _ in model.named_parameters())
     targets, save = lora_targets(n_layers, cfg, hcfg.layers if hcfg else None, feature_maps=has_fmaps)
     peft_cfg = LoraConfig(
         r=int(cfg["r"]), lora_alpha=cfg["alpha"], lora_dropout=cfg["dropout"], target_modules=targets,
