@@ -58,6 +58,10 @@ def test_crossover_interpolates_in_log_log():
     assert crossover([1, 2, 4], [0.5, 0.8, 1.0]) == pytest.approx(4.0)
     assert crossover([1, 2], [1.5, 2.0]) is None  # faster everywhere: nothing to cross
     assert crossover([1, 2], [0.5, 0.9]) is None
+    # noise around 1 at short lengths: the crossing that lasts to the longest length counts
+    assert crossover([1, 2, 4, 8], [0.9, 1.1, 0.5, 2.0]) == pytest.approx(4 * 2 ** 0.5)
+    # faster at some lengths but slower at the longest one: no crossover to report
+    assert crossover([1, 2, 4], [0.5, 1.2, 0.95]) is None
 
 
 def test_throughput_plot(throughput_csv, tmp_path):

@@ -186,10 +186,14 @@ def speed_ratios(rows: list[dict], slot: str, phase: str) -> tuple[list[int], li
 
 
 def crossover(lengths: list[int], ratio: list[float]) -> float | None:
-    """The length where ``ratio`` (variant / base) first rises through 1 between two measured
-    lengths, interpolated linearly in log-log; None if it never does."""
+    """The length from which the variant stays at least as fast as base up to the longest measured
+    length: the last point where ``ratio`` (variant / base) rises through 1, interpolated linearly
+    in log-log. None if it is slower at the longest length, or never slower (nothing to cross).
+    The last crossing, not the first: single-repeat CPU timings wobble around 1 at short lengths."""
     points = [(L, r) for L, r in zip(lengths, ratio) if r > 0 and not math.isnan(r)]
-    for (l0, r0), (l1, r1) in pairwise(points):
+    if not points or points[-1][1] < 1:
+        return None
+    for (l0, r0), (l1, r1) in reversed(list(pairwise(points))):
         if r0 < 1 <= r1:
             t = -math.log(r0) / (math.log(r1) - math.log(r0))
             return math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0)))
