@@ -26,6 +26,8 @@ from hybrid_llama.report.html import write_report
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None,
+                                    reason="headless Chromium not installed (tests/run.sh installs it)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 M, D = "tiny", "cpu"
@@ -395,7 +397,7 @@ def test_no_result_files_at_all_still_renders(tmp_path):
     assert summary(html) == []
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (tests/run.sh installs it)")
+@needs_chromium
 def test_headline_is_above_the_fold_in_chromium(report, tmp_path):
     assert_headline_above_the_fold(report, tmp_path)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_report_render import assert_headline_above_the_fold, needs_chromium
 
 from hybrid_llama.pipeline import shared_data_dir
 
@@ -313,12 +314,9 @@ def _plan(wf: Path, cfg: dict, name: str) -> set:
 
 
 @pytest.mark.slow
+@needs_chromium
 def test_dag_report_headline_is_above_the_fold(built, tmp_path):
     """The report the test DAG wrote, as a reader opens it: the headline table above the fold."""
-    from test_report_render import CHROMIUM, assert_headline_above_the_fold
-
-    if CHROMIUM is None:
-        pytest.skip("headless Chromium not installed (tests/run.sh installs it)")
     assert_headline_above_the_fold(built[0] / "results" / "report.html", tmp_path)
 
 
