@@ -211,9 +211,18 @@ def test_variant_stages_and_the_files_they_need():
             "lora": {"objective": "distill"},
         },
         {"name": "ctl", "hybrid": {"layers": [0], "formulation": "window"}, "stages": ["converted"]},
+        {"name": "final", "hybrid": {"layers": [0]}, "stages": ["transfer_lora"]},
     ]
     wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
     wf.check()
+    # a variant evaluated only at its last stage still trains through transfer, and the component
+    # diagnostic (alone) also looks at the model right after transfer
+    assert ("final", "transfer") not in wf.eval_slots() and "final" in wf.transfer_slots()
+    expected = {"perplexity": ["base", "transfer_lora", "base_lora"], "components": ["transfer", "transfer_lora"]}
+    for kind, stages in expected.items():
+        assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "final", "cpu", kind)] == stages
+    cfg["variants"].pop()
+    wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
     assert wf.variant_stages("v") == ["transfer", "transfer_lora"] and wf.variant_stages("ctl") == ["converted"]
     assert ("ctl", "converted") in wf.eval_slots() and ("ctl", "transfer") not in wf.eval_slots()
     assert wf.stage_inputs("m", "ctl", "converted") == {"weights": path("weights", model="m")}

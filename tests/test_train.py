@@ -170,6 +170,25 @@ def test_transfer_kill_and_resume_equals_uninterrupted(tiny_model_dir, corpus, t
     assert ma["mse_after"] == mb["mse_after"]
 
 
+def test_transfer_teacher_cache_matches_fresh_teacher_forwards(tiny_model_dir, corpus, tmp_path):
+    """Epochs after the first read the teacher's tensors from the cache: the trained layers are the ones
+    a teacher forward per batch gives (batches mix rows differently each epoch), with a third of the
+    forwards; a limit below the rows' size turns the cache off."""
+    cfg = _transfer_cfg(epochs=3, eval_path=str(corpus / "heldout.safetensors"))
+    runs = {}
+    for name, gib in [("fresh", 0), ("cached", 8), ("too_small", 1e-6)]:
+        m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID,
+                            {**cfg, "teacher_cache_gib": gib}, tmp_path / name)
+        runs[name] = (m, load_file(str(tmp_path / name / "hybrid_layers.safetensors")))
+    n_micro = 48 // 4
+    assert runs["fresh"][0]["teacher_forwards"] == runs["too_small"][0]["teacher_forwards"] == 3 * n_micro
+    assert runs["cached"][0]["teacher_forwards"] == n_micro
+    fresh, cached = runs["fresh"][1], runs["cached"][1]
+    for k in fresh:
+        assert torch.equal(cached[k], fresh[k]), k
+    assert runs["cached"][0]["mse_after"] == pytest.approx(runs["fresh"][0]["mse_after"], rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "poison,pattern",
     [  # NaN weights make the layer's loss NaN; a NaN logit only reaches the gradient (the op zeroes such rows)

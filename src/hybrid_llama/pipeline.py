@@ -339,6 +339,12 @@ class Pipeline:
         return stage in self.variant_stages(variant) or (
             stage == "transfer" and "transfer_lora" in self.variant_stages(variant))
 
+    def component_stages(self, variant: str) -> list[str]:
+        """The component diagnostic's stages: the evaluated ones plus 'transfer' whenever it trains.
+        The window/linear share right after transfer is what attention transfer learned, and costs
+        one short forward where the other evaluations of that stage may be cut for time."""
+        return [s for s in VARIANT_STAGES if s in self.variant_stages(variant) or self.trained(variant, s)]
+
     def section(self, *keys: str) -> Any:
         """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
         node = self.config
@@ -517,8 +523,11 @@ class Pipeline:
 
     def stage_quality_files(self, model: str, variant: str, device: str, kind: str) -> list[str]:
         """Per-stage quality CSVs that make up one variant's table: every evaluated stage, shared ones
-        included, except for the component diagnostic (hybrid stages only)."""
-        shared = [] if kind == "components" else [s for s in self.stages if s in SHARED_STAGES]
+        included, except for the component diagnostic (hybrid stages only, see component_stages)."""
+        if kind == "components":
+            shared, own = [], self.component_stages(variant)
+        else:
+            shared, own = [s for s in self.stages if s in SHARED_STAGES], self.variant_stages(variant)
         return [
             path(
                 "stage_quality",
@@ -528,7 +537,7 @@ class Pipeline:
                 stage=s,
                 kind=kind,
             )
-            for s in [*shared[:1], *self.variant_stages(variant), *shared[1:]]
+            for s in [*shared[:1], *own, *shared[1:]]
         ]
 
     def report_inputs(self) -> dict[str, list[str]]:

@@ -104,6 +104,72 @@ class TeacherTap:
             h.remove()
 
 
+def _per_row(value: Any) -> bool:
+    """Whether a recorded input differs between the rows of a batch (None and broadcast tables do not)."""
+    if value is None:
+        return False
+    if isinstance(value, tuple):
+        return any(_per_row(v) for v in value)
+    return value.shape[0] != 1
+
+
+class TeacherCache:
+    """The teacher's per-layer inputs and outputs of every training row, kept after the row's first pass.
+
+    The teacher is frozen, so each later epoch would recompute exactly these tensors with a forward
+    through almost the whole model: the largest cost of a transfer step on CPU. After the first
+    micro-batch shows their size, one buffer per layer is allocated for all rows if they fit in
+    ``limit_bytes`` (one block, so the resident memory is the estimate, not a fragmented multiple).
+    RoPE tables and the causal mask depend only on the packed length, so one copy serves every row.
+    """
+
+    def __init__(self, tap: TeacherTap, n_rows: int, limit_bytes: float):
+        self.tap, self.n_rows, self.limit = tap, n_rows, limit_bytes
+        self.enabled: bool | None = None if limit_bytes > 0 else False
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.output: dict[int, torch.Tensor] = {}
+        self.shared: dict[int, dict[str, Any]] = {}
+        self.filled = torch.zeros(n_rows, dtype=torch.bool)
+        self.teacher_forwards = 0
+
+    def run(self, idx: list[int], batch: torch.Tensor) -> None:
+        """Leave the teacher's tensors for training rows ``idx`` (= ``batch``) in ``tap.inputs/outputs``."""
+        tap = self.tap
+        if self.enabled and bool(self.filled[idx].all()):
+            tap.inputs = {i: {"hidden_states": self.hidden[i][idx], **self.shared[i]} for i in tap.layers}
+            tap.outputs = {i: self.output[i][idx] for i in tap.layers}
+            return
+        tap.run(batch)
+        self.teacher_forwards += 1
+        if self.enabled is None:
+            self.enabled = self._allocate(len(idx))
+        if self.enabled:
+            for i in tap.layers:
+                self.hidden[i][idx] = tap.inputs[i]["hidden_states"]
+                self.output[i][idx] = tap.outputs[i]
+            self.filled[idx] = True
+
+    def _allocate(self, batch_rows: int) -> bool:
+        tap = self.tap
+        if any(_per_row(v) for i in tap.layers for k, v in tap.inputs[i].items() if k != "hidden_states"):
+            print("transfer: teacher cache off (an attention input other than the hidden states varies by row)")
+            return False
+        tensors = [t for i in tap.layers for t in (tap.inputs[i]["hidden_states"], tap.outputs[i])]
+        need = sum(t.numel() * t.element_size() for t in tensors) // batch_rows * self.n_rows
+        on = need <= self.limit
+        print(f"transfer: teacher cache {'on' if on else 'off'} ({need / 2**30:.2f} GiB for {self.n_rows} rows, "
+              f"limit {self.limit / 2**30:.2f} GiB)", flush=True)
+        if on:
+            def buffer(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty((self.n_rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+            for i in tap.layers:
+                self.hidden[i] = buffer(tap.inputs[i]["hidden_states"])
+                self.output[i] = buffer(tap.outputs[i])
+                self.shared[i] = {k: v for k, v in tap.inputs[i].items() if k != "hidden_states"}
+        return on
+
+
 def _student_out(student: nn.Module, inp: dict[str, Any]) -> torch.Tensor:
     # Students keep fp32 master weights; a bf16 teacher's activations are upcast (autocast on GPU recasts).
     dt = student.q_proj.weight.dtype
@@ -212,6 +278,8 @@ def run_transfer(
     seq_len = rows.shape[1]
 
     tap = TeacherTap(teacher, hcfg.layers)
+    # Only a second epoch reads a cached row again.
+    cache = TeacherCache(tap, len(train_rows), float(cfg["teacher_cache_gib"]) * 2**30 * (int(cfg["epochs"]) > 1))
     try:
         mse_before = layer_mse(tap, students, eval_rows, bs, device, amp)
         orders: dict[int, list[int]] = {}
@@ -223,7 +291,7 @@ def run_transfer(
             idx = orders[epoch][m * bs : (m + 1) * bs]
             batch = train_rows[idx].to(device)
             with autocast(device, amp):
-                tap.run(batch)
+                cache.run(idx, batch)
                 total = 0.0
                 logs = {}
                 for i, s in students.items():
@@ -280,6 +348,7 @@ def run_transfer(
         "tokens_per_s": result["tokens"] / max(1e-9, result["elapsed_s"]),
         "steps": result["steps"],
         "resumed_from_step": result["start_step"],
+        "teacher_forwards": cache.teacher_forwards,
         "seq_len": seq_len,
         "train_sequences": len(train_rows),
         "eval_sequences": len(eval_rows),
