@@ -279,7 +279,8 @@ def run_transfer(
 
     tap = TeacherTap(teacher, hcfg.layers)
     # Only a second epoch reads a cached row again.
-    cache = TeacherCache(tap, len(train_rows), float(cfg["teacher_cache_gib"]) * 2**30 * (int(cfg["epochs"]) > 1))
+    cache_bytes = float(cfg["teacher_cache_gib"]) * 2**30 if int(cfg["epochs"]) > 1 else 0.0
+    cache = TeacherCache(tap, len(train_rows), cache_bytes)
     try:
         mse_before = layer_mse(tap, students, eval_rows, bs, device, amp)
         orders: dict[int, list[int]] = {}
