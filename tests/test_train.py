@@ -480,3 +480,43 @@ def test_optimizer_groups_give_logits_and_feature_maps_their_own_lr():
     assert [(g["lr"], len(g["params"])) for g in groups] == [(1e-3, 1), (0.05, 1), (0.01, 2)]
     cfg.update(logits_lr=None, feature_map_lr=None)
     assert [g["lr"] for g in make_optimizer(list(p.items()), cfg).param_groups] == [1e-3] * 3
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_direct_lora_merge_matches_peft_merge(tiny_model_dir, tmp_path, rslora):
+    """``merge_lora_adapter`` (what evaluation uses, without importing peft) gives the weights of
+    peft's own ``merge_and_unload``, LoRA factors and modules_to_save (feature maps, logits) alike."""
+    from hybrid_llama.stages import merge_lora_adapter
+
+    def converted():
+        model, _ = load_model(tiny_model_dir, dtype=torch.float32)
+        hm.convert_to_hybrid(model, **HEDGEHOG)
+        return model
+
+    targets = [f"model.layers.{i}.self_attn.{p}" for i in (1, 3) for p in PROJ]
+    saved = [f"model.layers.{i}.self_attn.{part}" for i in (1, 3) for part in ("mixing", "feature_map")]
+    cfg = peft.LoraConfig(r=4, lora_alpha=12, target_modules=targets, modules_to_save=saved, use_rslora=rslora)
+    wrapped = peft.get_peft_model(converted(), cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B starts at zero: randomize every trainable tensor so the merge shows
+        for p in wrapped.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    wrapped.save_pretrained(tmp_path)
+
+    ours = dict(merge_lora_adapter(converted(), tmp_path).named_parameters())
+    ref = dict(peft.PeftModel.from_pretrained(converted(), str(tmp_path)).merge_and_unload().named_parameters())
+    untouched = dict(converted().named_parameters())
+    assert ours.keys() == ref.keys()
+    changed = {k for k in ours if not torch.equal(ours[k], untouched[k])}
+    assert changed == {f"{t}.weight" for t in targets} | {k for k in ours if ".mixing." in k or ".feature_map." in k}
+    for k in ours:  # same arithmetic as peft's merge, so bit-identical
+        assert torch.equal(ours[k], ref[k]), k
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora"):
+        merge_lora_adapter(converted(), tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="matches no parameter"):
+        merge_lora_adapter(load_model(tiny_model_dir, dtype=torch.float32)[0], tmp_path)  # no hybrid layers

@@ -8,14 +8,16 @@
 - ``transfer_lora``: the transfer model + the LoRA adapter of ``run_finetune`` (needs ``adapter``);
 - ``base_lora``: base + a LoRA adapter trained on the plain model (the control).
 
-With ``merge=True`` (default) adapters are merged into the weights (``merge_and_unload``): the result is
-a plain ``LlamaForCausalLM`` (with hybrid layers where configured, trained mixing logits copied in), so
-every evaluator sees the same class. ``merge=False`` returns the ``peft.PeftModel``.
+With ``merge=True`` (default) adapters are merged into the weights by ``merge_lora_adapter``: the
+result is a plain ``LlamaForCausalLM`` (with hybrid layers where configured, trained mixing logits and
+feature maps copied in), so every evaluator sees the same class. ``merge=False`` returns the
+``peft.PeftModel``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -25,9 +27,8 @@ from torch import nn
 from hybrid_llama.pipeline import STAGES
 from hybrid_llama.runtime import resolve_dtype
 
-__all__ = ["STAGES", "load_stage", "load_stage_for_eval", "load_base", "as_hybrid_config", "resolve_dtype",
-           "weights_hash"]
-
+__all__ = ["STAGES", "load_stage", "load_stage_for_eval", "load_base", "as_hybrid_config", "merge_lora_adapter",
+           "resolve_dtype", "weights_hash"]
 
 
 def as_hybrid_config(hybrid: Any):
@@ -91,16 +92,63 @@ def load_stage(
             convert_to_hybrid(model, **asdict(cfg))
         else:
             load_hybrid_layers(model, hybrid_layers, cfg)
-    if adapter is not None:
+    if adapter is not None and merge:
+        merge_lora_adapter(model, adapter)
+    elif adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter))
-        if merge:
-            model = model.merge_and_unload()
     dt = resolve_dtype(dtype)
     if dt is not None or device is not None:
         model = model.to(device=device, dtype=dt)
     return model.eval(), tok
+
+
+# Adapter settings the direct merge reproduces, at the value it assumes (what run_finetune writes).
+_PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "fan_in_fan_out": False, "bias": "none",
+               "lora_bias": False, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+@torch.no_grad()
+def merge_lora_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+    """Merge a saved peft LoRA adapter into ``model`` in place, as ``merge_and_unload`` would.
+
+    Each target weight gets ``(B @ A) * lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) added, and
+    every ``modules_to_save`` tensor (mixing logits, feature maps) is copied over. Evaluation jobs
+    load adapters this way so they skip importing peft (~6 s each); anything the adapter holds that
+    does not match a parameter of ``model``, or a setting outside plain LoRA, is an error.
+    """
+    import json
+    import math
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    for key, plain in _PLAIN_LORA.items():
+        if config.get(key, plain) not in (plain, None):
+            raise ValueError(f"{adapter_dir}: adapter setting {key}={config[key]!r} is not plain LoRA; "
+                             "load it with merge=False (peft) instead")
+    rank = int(config["r"])
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    params = dict(model.named_parameters())
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+        name = key.removeprefix("base_model.model.")
+        lora = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
+        if lora:
+            factors.setdefault(lora[1], {})[lora[2]] = tensor
+        elif name in params:
+            params[name].copy_(tensor)
+        else:
+            raise ValueError(f"{adapter_dir}: adapter tensor {key!r} matches no parameter of the model")
+    for module, ab in factors.items():
+        weight = params.get(f"{module}.weight")
+        if weight is None or ab.keys() != {"A", "B"}:
+            raise ValueError(f"{adapter_dir}: LoRA factors of {module!r} have no target weight or lack A or B")
+        weight += (ab["B"].to(weight) @ ab["A"].to(weight)) * scaling
+    return model
 
 
 def weights_hash(model_dir: str | os.PathLike) -> str:
