@@ -520,3 +520,63 @@ def test_direct_lora_merge_matches_peft_merge(tiny_model_dir, tmp_path, rslora):
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="matches no parameter"):
         merge_lora_adapter(load_model(tiny_model_dir, dtype=torch.float32)[0], tmp_path)  # no hybrid layers
+
+
+def _teacher_final_states(model_dir, rows) -> torch.Tensor:
+    """The base model's final (normed) hidden states, one row at a time, independent of transfer."""
+    teacher, _ = load_model(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.cat([teacher.eval().model(input_ids=r[None]).last_hidden_state for r in rows])
+
+
+def test_transfer_saves_the_teachers_final_states_of_every_training_row(tiny_model_dir, corpus, tmp_path):
+    """With teacher_states, transfer saves each training row's final hidden states: the ones the
+    teacher computes, also for rows a killed run saw before resuming and rows max_steps never reached.
+    Without it, the file exists with no rows."""
+    from hybrid_llama.train.teacher_states import TeacherStates
+
+    cfg = _transfer_cfg(epochs=2, max_steps=15, checkpoint_every=2, eval_sequences=2, teacher_states=True)
+    rows = load_packed(corpus / "train.safetensors")[:-2]
+
+    def kill(step, logs):
+        if step == 5:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, tmp_path / "on", callback=kill)
+    m = tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, cfg, tmp_path / "on")
+    assert m["resumed_from_step"] == 4
+    saved = TeacherStates(tmp_path / "on" / "teacher_states.safetensors")
+    assert torch.equal(saved.input_ids, rows) and saved.teacher == {"dtype": "torch.float32", "autocast": False}
+    torch.testing.assert_close(saved.hidden, _teacher_final_states(tiny_model_dir, rows), atol=1e-5, rtol=1e-5)
+    shuffled = rows[[5, 0, 17]]
+    got, why = saved.for_rows(shuffled, dtype="torch.float32", autocast=False)
+    assert why == "" and torch.equal(got, saved.hidden[[5, 0, 17]])
+    assert saved.for_rows(shuffled, dtype="torch.bfloat16", autocast=False)[0] is None
+    assert "lacks 1 of the 1 rows" in saved.for_rows(shuffled[:1] + 1, dtype="torch.float32", autocast=False)[1]
+
+    tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, {**cfg, "teacher_states": False},
+                    tmp_path / "off")
+    off = TeacherStates(tmp_path / "off" / "teacher_states.safetensors")
+    assert len(off) == 0 and "no rows" in off.for_rows(rows, dtype="torch.float32", autocast=False)[1]
+
+
+def test_distill_with_transfer_teacher_states_trains_the_same_adapter(lively_dir, corpus, tmp_path):
+    """Distilling from the transfer's saved teacher states gives the adapter that a teacher forward
+    per step gives, with the teacher run only for validation."""
+    tdir = tmp_path / "transfer"
+    tr.run_transfer(lively_dir, corpus / "train.safetensors", HEDGEHOG,
+                    _transfer_cfg(trainable="logits+feature_map", lr=1e-2, epochs=1, eval_sequences=2,
+                                  teacher_states=True), tdir)
+    cfg = _lora_cfg(objective="distill", batch_size=4, epochs=1, eval_sequences=4, dropout=0.0)
+    kw = dict(hybrid=HEDGEHOG, hybrid_layers=tdir / "hybrid_layers.safetensors")
+    fresh = ft.run_finetune(lively_dir, corpus / "train.safetensors", cfg, tmp_path / "fresh", **kw)
+    handed = ft.run_finetune(lively_dir, corpus / "train.safetensors", cfg, tmp_path / "handed",
+                             teacher_states=tdir / "teacher_states.safetensors", **kw)
+    steps, val_passes = 44 // 4, 2  # 44 training rows; validation before and after the epoch, 1 batch each
+    assert fresh["teacher_forwards"] == steps + val_passes and handed["teacher_forwards"] == val_passes
+    assert handed["val_loss_after"] == pytest.approx(fresh["val_loss_after"], rel=1e-4)
+    a, b = load_file(str(tmp_path / "fresh" / "adapter_model.safetensors")), load_file(
+        str(tmp_path / "handed" / "adapter_model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)

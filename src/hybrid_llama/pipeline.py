@@ -66,6 +66,7 @@ PATHS: dict[str, str] = {
     "hybrid_layers": "results/{model}/{variant}/transfer/hybrid_layers.safetensors",
     "transfer_metrics": "results/{model}/{variant}/transfer/metrics.json",
     "transfer_loss": "results/{model}/{variant}/transfer/loss.csv",
+    "teacher_states": "results/{model}/{variant}/transfer/teacher_states.safetensors",
     "adapter": "results/{model}/{variant}/lora/adapter_model.safetensors",
     "adapter_config": "results/{model}/{variant}/lora/adapter_config.json",
     "lora_metrics": "results/{model}/{variant}/lora/metrics.json",

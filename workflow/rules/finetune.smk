@@ -8,6 +8,7 @@ rule lora:
         weights=weights,
         data=lambda wildcards: P.lora_data(wildcards.model, wildcards.variant),
         layers=path("hybrid_layers"),
+        teacher_states=path("teacher_states"),
     output:
         adapter=path("adapter"),
         adapter_config=path("adapter_config"),

@@ -12,6 +12,8 @@ rule transfer:
         layers=path("hybrid_layers"),
         metrics=path("transfer_metrics"),
         loss=path("transfer_loss"),
+        # the teacher's final hidden states for a distilled LoRA stage (no rows unless transfer.teacher_states)
+        teacher_states=path("teacher_states"),
     log:
         log_of("transfer/{model}/{variant}"),
     benchmark:

@@ -25,6 +25,7 @@ metrics = run_finetune(
     Path(snakemake.output.adapter).parent,
     hybrid=dict(hybrid) if hybrid else None,
     hybrid_layers=getattr(snakemake.input, "layers", None),
+    teacher_states=getattr(snakemake.input, "teacher_states", None),
 )
 shutil.rmtree(ckpt, ignore_errors=True)
 print(json.dumps(metrics, indent=1, default=str))

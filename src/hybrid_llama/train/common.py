@@ -102,9 +102,14 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def autocast_active(device: torch.device, enabled: bool = True) -> bool:
+    """Whether ``autocast(device, enabled)`` changes anything (it does on CUDA only)."""
+    return bool(enabled) and device.type == "cuda"
+
+
 def autocast(device: torch.device, enabled: bool = True):
     """bf16 autocast on CUDA; a no-op on CPU so CPU runs stay fp32 and bit-reproducible."""
-    if enabled and device.type == "cuda":
+    if autocast_active(device, enabled):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -36,6 +36,7 @@ from hybrid_llama.train.common import (
     NonFiniteError,
     add_hybrid_arguments,
     autocast,
+    autocast_active,
     batch_order,
     hybrid_from_arguments,
     merge_config,
@@ -118,24 +119,42 @@ class DistillObjective:
 
     metric = "kl"
 
-    def __init__(self, path: str | os.PathLike, cfg: dict, teacher: nn.Module) -> None:
+    def __init__(self, path: str | os.PathLike, cfg: dict, teacher: nn.Module,
+                 teacher_states: str | os.PathLike | None = None) -> None:
         rows = load_packed(path)
         k = int(cfg["eval_sequences"])
         if not 1 <= k < len(rows):
             raise ValueError(f"{path}: {len(rows)} rows, need 1 <= lora.eval_sequences={k} < rows")
         self.train, self.val = rows[:-k], rows[-k:]
         self.teacher = teacher
+        self.teacher_forwards = 0
+        # The training rows' teacher states from attention transfer, when it saved them (teacher_states.py).
+        self.train_states = None
+        if teacher_states is not None:
+            from hybrid_llama.train.teacher_states import TeacherStates
+
+            weight = next(teacher.parameters())
+            self.train_states, why = TeacherStates(teacher_states).for_rows(
+                self.train, dtype=str(weight.dtype), autocast=autocast_active(weight.device, cfg["autocast"]))
+            print(f"distill: teacher states {'from transfer' if why == '' else 'recomputed: ' + why}", flush=True)
 
     def rows(self, split: str) -> int:
         return len(self.train if split == "train" else self.val)
 
     def batch(self, split: str, idx, device) -> dict[str, torch.Tensor]:
         ids = (self.train if split == "train" else self.val)[idx].to(device)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if split == "train" and self.train_states is not None:
+            batch["teacher_states"] = self.train_states[idx].to(device)
+        return batch
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         with torch.no_grad():
-            target = torch.log_softmax(self.teacher(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+            states = batch.get("teacher_states")
+            if states is None:  # what teacher(input_ids).logits computes, in two steps
+                states = self.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
+                self.teacher_forwards += 1
+            target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
         logp = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float(), dim=-1)
         kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
         return kl, batch["input_ids"].numel()
@@ -193,6 +212,7 @@ def run_finetune(
     *,
     hybrid: Any = None,
     hybrid_layers: str | os.PathLike | None = None,
+    teacher_states: str | os.PathLike | None = None,
     callback=None,
 ) -> dict:
     """LoRA-finetune the base (``hybrid=None``) or hybrid model; returns the metrics dict.
@@ -203,6 +223,8 @@ def run_finetune(
 
     ``hybrid`` (HybridConfig | dict) with ``hybrid_layers`` (``run_transfer``'s safetensors) builds the
     transferred model; ``hybrid`` without ``hybrid_layers`` converts without transfer.
+    ``teacher_states``: ``run_transfer``'s ``teacher_states.safetensors``; for "distill", training
+    rows found there skip the teacher's forward (``hybrid_llama.train.teacher_states``).
     ``lora``: the keys of the config schema's ``lora`` section (config/schema.yaml documents each
     one; missing keys take the schema's defaults, ``FINETUNE_DEFAULTS``), plus the run options
     checkpoint_dir (None = out_dir/checkpoints), resume and progress. LoRA goes on ``layers`` when
@@ -254,7 +276,7 @@ def run_finetune(
         if hcfg is None:
             raise ValueError("lora.objective 'distill' trains a hybrid model towards its base model: give hybrid=")
         teacher, _ = load_base(model_dir, dtype=cfg["dtype"], device=device)
-        objective: Objective = DistillObjective(data_path, cfg, teacher.requires_grad_(False))
+        objective: Objective = DistillObjective(data_path, cfg, teacher.requires_grad_(False), teacher_states)
     else:
         objective = InstructObjective(data_path, cfg)
     bs = int(cfg["batch_size"])
@@ -322,6 +344,7 @@ def run_finetune(
         "resumed_from_step": result["start_step"],
         "objective": cfg["objective"],
         "val_metric": objective.metric,
+        "teacher_forwards": getattr(objective, "teacher_forwards", None),
         "num_train": n_rows,
         "num_val": objective.rows("val"),
         "target_modules": targets,
@@ -348,11 +371,13 @@ def main(argv: list[str] | None = None) -> None:
         ap, layers_help="comma-separated hybrid layers (omit for the base+LoRA control)", layers_required=False
     )
     ap.add_argument("--hybrid-layers", default=None, help="hybrid_layers.safetensors from the transfer stage")
+    ap.add_argument("--teacher-states", default=None, help="teacher_states.safetensors from the transfer stage")
     ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (config/schema.yaml: lora)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     m = run_finetune(
-        a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a), hybrid_layers=a.hybrid_layers
+        a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a), hybrid_layers=a.hybrid_layers,
+        teacher_states=a.teacher_states,
     )
     print(json.dumps({k: m[k] for k in ("val_loss_before", "val_loss_after", "wall_time_s", "tokens_per_s")}, indent=1))
 

@@ -28,6 +28,7 @@ from hybrid_llama.train.common import (
     LossCSV,
     add_hybrid_arguments,
     autocast,
+    autocast_active,
     batch_order,
     check_finite,
     hybrid_from_arguments,
@@ -37,6 +38,7 @@ from hybrid_llama.train.common import (
     seed_everything,
     stage_defaults,
 )
+from hybrid_llama.train.teacher_states import save_teacher_states
 
 __all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_PARTS", "layer_mse"]
 
@@ -63,6 +65,7 @@ class TeacherTap:
         self.teacher = teacher
         self.layers = layers
         self.last = max(layers)
+        self._stop = True  # stop after the last hybrid layer unless run(to_end=True)
         self.inputs: dict[int, dict[str, Any]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         blocks = teacher.model.layers
@@ -86,18 +89,21 @@ class TeacherTap:
     def _post(self, i: int):
         def hook(_mod, _args, out):
             self.outputs[i] = out[0] if isinstance(out, tuple) else out
-            if i == self.last:
+            if i == self.last and self._stop:
                 raise _StopForward
 
         return hook
 
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor) -> None:
+    def run(self, input_ids: torch.Tensor, to_end: bool = False) -> torch.Tensor | None:
+        """Record the hybrid layers' inputs/outputs; with ``to_end`` also run the remaining layers and
+        return the final (normed) hidden states."""
         self.inputs, self.outputs = {}, {}
+        self._stop = not to_end
         try:
-            self.teacher.model(input_ids=input_ids, use_cache=False)
+            return self.teacher.model(input_ids=input_ids, use_cache=False).last_hidden_state
         except _StopForward:
-            pass
+            return None
 
     def remove(self) -> None:
         for h in self._handles:
@@ -123,7 +129,7 @@ class TeacherCache:
     RoPE tables and the causal mask depend only on the packed length, so one copy serves every row.
     """
 
-    def __init__(self, tap: TeacherTap, n_rows: int, limit_bytes: float):
+    def __init__(self, tap: TeacherTap, n_rows: int, limit_bytes: float, final_states: bool = False):
         self.tap, self.n_rows, self.limit = tap, n_rows, limit_bytes
         self.enabled: bool | None = None if limit_bytes > 0 else False
         self.hidden: dict[int, torch.Tensor] = {}
@@ -131,16 +137,25 @@ class TeacherCache:
         self.shared: dict[int, dict[str, Any]] = {}
         self.filled = torch.zeros(n_rows, dtype=torch.bool)
         self.teacher_forwards = 0
+        # The teacher's final hidden states, one full forward per row (transfer.teacher_states).
+        self.final: torch.Tensor | None = None
+        self.final_filled = torch.zeros(n_rows, dtype=torch.bool) if final_states else None
 
     def run(self, idx: list[int], batch: torch.Tensor) -> None:
         """Leave the teacher's tensors for training rows ``idx`` (= ``batch``) in ``tap.inputs/outputs``."""
         tap = self.tap
-        if self.enabled and bool(self.filled[idx].all()):
+        to_end = self.final_filled is not None and not bool(self.final_filled[idx].all())
+        if self.enabled and bool(self.filled[idx].all()) and not to_end:
             tap.inputs = {i: {"hidden_states": self.hidden[i][idx], **self.shared[i]} for i in tap.layers}
             tap.outputs = {i: self.output[i][idx] for i in tap.layers}
             return
-        tap.run(batch)
+        final = tap.run(batch, to_end=to_end)
         self.teacher_forwards += 1
+        if to_end:
+            if self.final is None:
+                self.final = final.new_empty((self.n_rows, *final.shape[1:]))
+            self.final[idx] = final
+            self.final_filled[idx] = True
         if self.enabled is None:
             self.enabled = self._allocate(len(idx))
         if self.enabled:
@@ -168,6 +183,17 @@ class TeacherCache:
                 self.output[i] = buffer(tap.outputs[i])
                 self.shared[i] = {k: v for k, v in tap.inputs[i].items() if k != "hidden_states"}
         return on
+
+
+    def final_states(self, rows: torch.Tensor, batch_size: int, device: torch.device, amp: bool) -> torch.Tensor:
+        """The final hidden states of every training row (``rows``), running the teacher on those a
+        resumed run skipped."""
+        todo = [int(r) for r in torch.nonzero(~self.final_filled).flatten()]
+        for s in range(0, len(todo), batch_size):
+            idx = todo[s : s + batch_size]
+            with autocast(device, amp):
+                self.run(idx, rows[idx].to(device))
+        return self.final
 
 
 def _student_out(student: nn.Module, inp: dict[str, Any]) -> torch.Tensor:
@@ -237,8 +263,10 @@ def run_transfer(
 
     ``callback(step, logs)`` is called after every optimizer step (and checkpoint); raising
     ``StopTraining`` from it simulates a kill. Writes ``hybrid_layers.safetensors`` (every parameter of
-    the hybrid attention modules, full model names, for ``load_hybrid_layers``), ``metrics.json`` and
-    ``loss.csv`` (step,layer,mse) into ``out_dir``.
+    the hybrid attention modules, full model names, for ``load_hybrid_layers``), ``metrics.json``,
+    ``loss.csv`` (step,layer,mse) and ``teacher_states.safetensors`` (the teacher's final hidden
+    states of the training rows with ``teacher_states``, else no rows; see ``teacher_states``) into
+    ``out_dir``.
     """
     cfg = merge_config(train, TRANSFER_DEFAULTS, "transfer train config")
     hcfg = as_hybrid_config(hybrid)
@@ -280,7 +308,7 @@ def run_transfer(
     tap = TeacherTap(teacher, hcfg.layers)
     # Only a second epoch reads a cached row again.
     cache_bytes = float(cfg["teacher_cache_gib"]) * 2**30 if int(cfg["epochs"]) > 1 else 0.0
-    cache = TeacherCache(tap, len(train_rows), cache_bytes)
+    cache = TeacherCache(tap, len(train_rows), cache_bytes, final_states=bool(cfg["teacher_states"]))
     try:
         mse_before = layer_mse(tap, students, eval_rows, bs, device, amp)
         orders: dict[int, list[int]] = {}
@@ -327,8 +355,11 @@ def run_transfer(
                 log["csv"].close()
         students.eval()
         mse_after = layer_mse(tap, students, eval_rows, bs, device, amp)
+        final = cache.final_states(train_rows, bs, device, amp) if cfg["teacher_states"] else None
     finally:
         tap.remove()
+    save_teacher_states(out / "teacher_states.safetensors", train_rows, final,
+                        dtype=str(next(teacher.parameters()).dtype), autocast=autocast_active(device, amp))
 
     tensors = {}
     for i, s in students.items():
