@@ -157,8 +157,8 @@ def passkey_sentence(head: Headline) -> str | None:
         return None
     where = f"{L // head.window}× the {head.window}-token window" if head.window else "beyond the window"
     accs = ", ".join(f"{n} {c.value:.0%}" for n, c in cells)
-    trials = cells[0][1].extra["trials"]
-    return f"Passkey retrieval at {L} tokens ({where}, {trials} trials each): {accs}; {PASSKEY_REFERENCE}."
+    prompts = cells[0][1].extra["trials"]  # prompts at this length: depths x trials per cell
+    return f"Passkey retrieval at {L} tokens ({where}, {prompts} prompts each): {accs}; {PASSKEY_REFERENCE}."
 
 
 def summarize(head: Headline, res: Results) -> list[str]:

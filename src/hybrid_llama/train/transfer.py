@@ -127,6 +127,8 @@ class TeacherCache:
     micro-batch shows their size, one buffer per layer is allocated for all rows if they fit in
     ``limit_bytes`` (one block, so the resident memory is the estimate, not a fragmented multiple).
     RoPE tables and the causal mask depend only on the packed length, so one copy serves every row.
+    With ``final_states`` a row's first forward also runs the teacher's remaining layers and keeps its
+    final hidden states (``transfer.teacher_states``, for a distilled LoRA stage).
     """
 
     def __init__(self, tap: TeacherTap, n_rows: int, limit_bytes: float, final_states: bool = False):
@@ -183,7 +185,6 @@ class TeacherCache:
                 self.output[i] = buffer(tap.outputs[i])
                 self.shared[i] = {k: v for k, v in tap.inputs[i].items() if k != "hidden_states"}
         return on
-
 
     def final_states(self, rows: torch.Tensor, batch_size: int, device: torch.device, amp: bool) -> torch.Tensor:
         """The final hidden states of every training row (``rows``), running the teacher on those a
