@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from .weights import sha256_of
+from .weights import save_safetensors, sha256_of
 
 __all__ = [
     "DataError",
@@ -221,9 +221,7 @@ def _manifest_path(out_path: str | os.PathLike) -> Path:
 
 def _write_atomic(out_path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"manifest": _manifest_path(out_path).name})
-    os.replace(tmp, out_path)
+    save_safetensors(out_path, tensors, metadata={"manifest": _manifest_path(out_path).name})
     mpath = _manifest_path(out_path)
     tmpm = mpath.with_name(mpath.name + ".tmp")
     tmpm.write_text(json.dumps(manifest, indent=1) + "\n")

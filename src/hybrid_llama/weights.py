@@ -124,6 +124,16 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically: a killed job leaves the old file or none, never half of one."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
 # ---------------------------------------------------------------------------------------------- API
 
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hybrid_llama.layers import HybridConfig
+from hybrid_llama.weights import save_safetensors
 
 from .convert import convert_to_hybrid, hybrid_config_of, hybrid_parameter_names
 
@@ -32,9 +32,7 @@ def save_hybrid(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     skip = _tied_names(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
-    tmp = path / f".{WEIGHTS_NAME}.tmp{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path / WEIGHTS_NAME)
+    save_safetensors(path / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
     model.config.save_pretrained(path)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)

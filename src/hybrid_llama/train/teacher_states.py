@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from hybrid_llama.weights import save_safetensors
 
 __all__ = ["save_teacher_states", "TeacherStates"]
 
@@ -30,9 +31,7 @@ def save_teacher_states(path: str | os.PathLike, input_ids: torch.Tensor, hidden
     tensors = {"input_ids": ids.contiguous().cpu()}
     if hidden is not None:
         tensors["hidden"] = hidden.contiguous().cpu()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-    save_file(tensors, str(tmp), metadata={"teacher": json.dumps({"dtype": dtype, "autocast": autocast})})
-    os.replace(tmp, path)
+    save_safetensors(path, tensors, metadata={"teacher": json.dumps({"dtype": dtype, "autocast": autocast})})
 
 
 class TeacherStates:

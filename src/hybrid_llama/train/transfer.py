@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
 
 from hybrid_llama.data import load_packed
@@ -39,6 +38,7 @@ from hybrid_llama.train.common import (
     stage_defaults,
 )
 from hybrid_llama.train.teacher_states import save_teacher_states
+from hybrid_llama.weights import save_safetensors
 
 __all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_PARTS", "layer_mse"]
 
@@ -367,9 +367,7 @@ def run_transfer(
         prefix = f"model.layers.{i}.self_attn."
         for n, p in s.named_parameters():
             tensors[prefix + n] = p.detach().float().contiguous().cpu()
-    tmp = out / ".hybrid_layers.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"hybrid": json.dumps(asdict(hcfg))})
-    os.replace(tmp, out / "hybrid_layers.safetensors")
+    save_safetensors(out / "hybrid_layers.safetensors", tensors, metadata={"hybrid": json.dumps(asdict(hcfg))})
 
     metrics = {
         "mse_before": {str(i): v for i, v in mse_before.items()},
