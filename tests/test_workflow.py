@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -486,3 +487,34 @@ def test_require_device():
     for device in ("cuda", "cuda:1", "cuda:0-h100"):
         with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
             require_device(device)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+# A fresh process frees a 64 MB tensor (above glibc's largest mmap threshold) and reports whether
+# keep_freed_memory took effect and how much of the tensor its resident memory still holds.
+_FREED_MEMORY_PROBE = """
+import os, torch
+from hybrid_llama.runtime import keep_freed_memory
+kept = keep_freed_memory()
+def resident(): return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+before = resident()
+x = torch.ones(64 * 2**20 // 4)
+del x
+print(kept, (resident() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists() or platform.libc_ver()[0] != "glibc",
+                    reason="needs Linux with glibc")
+def test_keep_freed_memory_keeps_a_freed_tensor_resident_for_reuse():
+    def probe(switch: str) -> tuple[str, float]:
+        env = {**os.environ, "HYBRID_LLAMA_KEEP_FREED_MEMORY": switch}
+        out = subprocess.run([sys.executable, "-c", _FREED_MEMORY_PROBE], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        return out[0], float(out[1])
+
+    kept, held_mb = probe("1")
+    assert kept == "True" and held_mb > 60  # the freed pages stay mapped: the next tensor reuses them
+    kept, held_mb = probe("0")
+    assert kept == "False" and held_mb < 8  # glibc's default: unmapped on free, zero-filled again next time

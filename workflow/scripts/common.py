@@ -1,6 +1,6 @@
 """The shared start of every workflow script (Snakemake puts workflow/scripts on sys.path):
-send output to the rule's log file, cap torch's threads at the job's `threads`, and hand the
-library the files and labels of the stage a job evaluates."""
+keep freed memory in the heap, send output to the rule's log file, cap torch's threads at the
+job's `threads`, and hand the library the files and labels of the stage a job evaluates."""
 
 import logging
 import sys
@@ -9,10 +9,14 @@ from pathlib import Path
 
 def start(snakemake, *, torch_threads: bool = True):
     """Redirect stdout, stderr and logging to snakemake.log[0]; return the log file."""
+    from hybrid_llama.runtime import keep_freed_memory
+
+    kept = keep_freed_memory()  # before torch allocates anything: see its docstring
     log = open(snakemake.log[0], "w", buffering=1)
     sys.stdout = sys.stderr = log
     logging.basicConfig(stream=log, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    logging.info("rule %s, wildcards %s", snakemake.rule, dict(snakemake.wildcards))
+    logging.info("rule %s, wildcards %s, freed memory kept in the heap: %s", snakemake.rule,
+                 dict(snakemake.wildcards), kept)
     if torch_threads:
         import torch
 
