@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .weights import save_safetensors, sha256_of
+from .files import save_safetensors, sha256_of
 
 __all__ = [
     "DataError",

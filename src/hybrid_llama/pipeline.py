@@ -17,7 +17,6 @@ importable without torch (the Snakefile imports it at parse time):
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -26,22 +25,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hybrid_llama.config import (  # noqa: F401
+    SCHEMA_PATH,
+    ConfigError,
+    canonical,
+    deep_merge,
+    hybrid_defaults,
+    load_schema,
+    schema_defaults,
+    settings_key,
+)
+from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES, VARIANT_STAGES  # noqa: F401
 
-from hybrid_llama.eval.mmlu import FORMATS as MMLU_FORMATS
-
-SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
-
-STAGES = ("base", "converted", "transfer", "transfer_lora", "base_lora")
-SHARED_STAGES = ("base", "base_lora")
-VARIANT_STAGES = ("converted", "transfer", "transfer_lora")
-STAGE_LABELS = {
-    "base": "base",
-    "converted": "hybrid as converted (no training)",
-    "transfer": "hybrid after transfer",
-    "transfer_lora": "hybrid after transfer + LoRA",
-    "base_lora": "base + LoRA (control)",
-}
 # The files a stage's model is built from, besides the base weights.
 STAGE_ARTIFACTS = {
     "base": (),
@@ -109,14 +104,6 @@ WILDCARD_PATTERNS = {
 }
 
 
-class ConfigError(ValueError):
-    """A config value the workflow cannot run with; the message names the key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"Invalid config value at '{key}': {message}")
-        self.key = key
-
-
 def path(name: str, **wildcards: Any) -> str:
     """The path of artifact ``name`` with its wildcards filled in (any left out stay as ``{x}``)."""
     template = PATHS[name]
@@ -142,63 +129,6 @@ def parse_result_path(file: str | os.PathLike, names: Iterable[str] | None = Non
         if m and (m.start() == 0 or text[m.start() - 1] == "/"):
             return name, m.groupdict()
     raise ValueError(f"{file}: not a workflow artifact (no template in hybrid_llama.pipeline.PATHS matches)")
-
-
-# ------------------------------------------------------------------------------------------- schema
-
-
-@functools.lru_cache(maxsize=1)
-def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
-
-
-def schema_defaults(section: str) -> dict[str, Any]:
-    """The defaults the schema gives a top-level section (e.g. "transfer", "lora"), keys in schema order."""
-    schema = load_schema()
-    node = schema["properties"][section]
-    defaults: dict[str, Any] = {}
-    for sub in [node, *node.get("allOf", [])]:
-        if "$ref" in sub:
-            sub = schema["$defs"][sub["$ref"].split("/")[-1]]
-        for key, prop in sub.get("properties", {}).items():
-            if "default" in prop:
-                defaults[key] = copy.deepcopy(prop["default"])
-    return defaults
-
-
-def hybrid_defaults() -> dict[str, Any]:
-    """The defaults of a variant's ``hybrid`` block (everything but ``layers``)."""
-    props = load_schema()["$defs"]["hybrid"]["properties"]
-    return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
-
-
-def deep_merge(base: dict, override: dict | None) -> dict:
-    """A copy of ``base`` with ``override``'s keys replacing base's (recursively for dicts)."""
-    out = copy.deepcopy(base)
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def canonical(obj: Any) -> Any:
-    """``obj`` with every dict's keys sorted: Snakemake compares params as text, so the order of keys
-    in a config file must not look like a change."""
-    if isinstance(obj, dict):
-        return {k: canonical(obj[k]) for k in sorted(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [canonical(x) for x in obj]
-    return obj
-
-
-def settings_key(*parts: Any) -> str:
-    """A short hash of settings (checkpoint directories are keyed by it: a changed config never
-    resumes a stale run)."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(canonical(list(parts)), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def is_cuda(device: str) -> bool:

@@ -184,8 +184,8 @@ def load_stage_for_eval(
     """
     from pathlib import Path
 
+    from hybrid_llama.files import sha256_of
     from hybrid_llama.runtime import require_device
-    from hybrid_llama.weights import sha256_of
 
     torch_device = require_device(device)
     adapter_file = None

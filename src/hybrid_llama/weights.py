@@ -17,7 +17,6 @@ directory next to ``dest`` and renamed into place, so ``dest`` is either complet
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_llama.files import sha256_of
 from hybrid_llama.runtime import resolve_dtype
 
 if TYPE_CHECKING:  # torch is imported where it is used: the workflow reads the tables below at parse time
@@ -114,24 +114,6 @@ def log(msg: str) -> None:
 def cache_dir() -> Path:
     """Download cache: ``$HYBRID_LLAMA_CACHE``, default ``~/.cache/hybrid-llama``."""
     return Path(os.environ.get("HYBRID_LLAMA_CACHE") or Path.home() / ".cache" / "hybrid-llama")
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file atomically: a killed job leaves the old file or none, never half of one."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------- API

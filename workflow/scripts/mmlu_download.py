@@ -10,7 +10,7 @@ start(snakemake, torch_threads=False)
 
 import datasets
 
-from hybrid_llama.weights import sha256_of
+from hybrid_llama.files import sha256_of
 
 root = Path(snakemake.output.manifest).parent
 counts = {}

@@ -8,7 +8,8 @@ from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.weights import resolve_model, sha256_of
+from hybrid_llama.files import sha256_of
+from hybrid_llama.weights import resolve_model
 
 dest = Path(snakemake.output.config).parent
 # resolve_model refuses a directory made from another spec: a rerun (spec changed) starts clean.

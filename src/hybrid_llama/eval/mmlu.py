@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_llama.names import MMLU_FORMATS as FORMATS
 from hybrid_llama.runtime import device_name, resolve_dtype
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 LETTERS = ("A", "B", "C", "D")
 SCHEMA = "hybrid_llama.mmlu/1"
-FORMATS = ("mc", "cloze")
 CHANCE = 0.25  # four answer choices
 
 # lm-eval's MMLU templates (tasks/mmlu/default and tasks/mmlu/continuation).

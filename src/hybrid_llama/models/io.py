@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from hybrid_llama.files import save_safetensors
 from hybrid_llama.layers import HybridConfig
-from hybrid_llama.weights import save_safetensors
 
 from .convert import convert_to_hybrid, hybrid_config_of, hybrid_parameter_names
 

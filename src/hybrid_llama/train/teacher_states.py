@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybrid_llama.weights import save_safetensors
+from hybrid_llama.files import save_safetensors
 
 __all__ = ["save_teacher_states", "TeacherStates"]
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_llama.data import load_packed
+from hybrid_llama.files import save_safetensors
 from hybrid_llama.stages import as_hybrid_config, load_base, resolve_dtype
 from hybrid_llama.train.common import (
     LossCSV,
@@ -38,7 +39,6 @@ from hybrid_llama.train.common import (
     stage_defaults,
 )
 from hybrid_llama.train.teacher_states import save_teacher_states
-from hybrid_llama.weights import save_safetensors
 
 __all__ = ["run_transfer", "TRANSFER_DEFAULTS", "TRAINABLE_PARTS", "layer_mse"]
 

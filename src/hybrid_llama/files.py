@@ -1,0 +1,57 @@
+"""File utilities at the ground floor of the library: atomic writes, safetensors, hashing.
+
+Every artifact the workflow writes goes through :func:`atomic_write`, so a killed job leaves the
+old file or none, never half of one (Snakemake would otherwise see a complete-looking output).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["atomic_write", "atomic_path", "save_safetensors", "sha256_of"]
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write; it replaces ``path`` only if the block succeeds."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists() and tmp.is_file():
+            tmp.unlink()
+
+
+def atomic_write(
+    path: str | os.PathLike, data: str | bytes | Callable[[Path], None], *, encoding: str = "utf-8"
+) -> Path:
+    """Write ``data`` (text, bytes, or a function that writes the file it is given) to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        if callable(data):
+            data(tmp)
+        elif isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding=encoding)
+    return Path(path)
+
+
+def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically."""
+    from safetensors.torch import save_file
+
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,20 @@
+"""The shared vocabulary of stages and MMLU formats: plain names, importable by every layer.
+
+The workflow (``hybrid_llama.pipeline``), the evaluations and the report all speak of the same
+stages; they import the names from here so that no library layer has to import the workflow.
+"""
+
+from __future__ import annotations
+
+STAGES = ("base", "converted", "transfer", "transfer_lora", "base_lora")
+# Shared stages (the base model and the base + LoRA control) do not depend on a variant.
+SHARED_STAGES = ("base", "base_lora")
+VARIANT_STAGES = ("converted", "transfer", "transfer_lora")
+STAGE_LABELS = {
+    "base": "base",
+    "converted": "hybrid as converted (no training)",
+    "transfer": "hybrid after transfer",
+    "transfer_lora": "hybrid after transfer + LoRA",
+    "base_lora": "base + LoRA (control)",
+}
+MMLU_FORMATS = ("mc", "cloze")
