@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,14 +18,19 @@ __all__ = ["atomic_write", "atomic_path", "save_safetensors", "sha256_of"]
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary sibling of ``path`` to write; it replaces ``path`` only if the block succeeds."""
+    """Yield a temporary sibling of ``path`` to write (a file, or a directory the block creates); it
+    replaces ``path`` only if the block succeeds, and is removed otherwise."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
+        if tmp.is_dir() and path.is_dir():
+            shutil.rmtree(path)  # os.replace cannot replace a non-empty directory
         os.replace(tmp, path)
     finally:
-        if tmp.exists() and tmp.is_file():
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
             tmp.unlink()
 
 
