@@ -83,10 +83,10 @@ def run_case(backend: str, B: int, H: int, T: int, D: int, window: int, threads:
         q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
         wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
         return {
-            "chunked": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="chunked"),
-            "reference": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="reference"),
+            "chunked": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="chunked")[0],
+            "reference": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="reference")[0],
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "seed_naive": lambda: hybrid_attention_seed_naive(q, k, v, wl, ll, window=window),
+            "seed_naive": lambda: hybrid_attention_seed_naive(q, k, v, wl, ll, window=window)[0],
         }[backend]
 
     with torch.no_grad():
@@ -187,8 +187,8 @@ def run_gqa(B: int, H: int, kv_heads: int, D: int, window: int, Ts: list[int], r
         wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
         grad_out = torch.randn(B, H, T, D, generator=g)
         variants = {
-            "native": lambda q, k, v: hybrid_attention_chunked(q, k, v, wl, ll, window=window),
-            "expanded": lambda q, k, v: hybrid_attention_chunked(q, *expand_kv(q, k, v), wl, ll, window=window),
+            "native": lambda q, k, v: hybrid_attention_chunked(q, k, v, wl, ll, window=window)[0],
+            "expanded": lambda q, k, v: hybrid_attention_chunked(q, *expand_kv(q, k, v), wl, ll, window=window)[0],
         }
         modes = ["fwd"] + (["fwd+bwd"] if backward else [])
         for mode in modes:

@@ -262,19 +262,19 @@ def main() -> int:
             if impl == "triton":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
                     q, k, v, wl, ll, window=w, block_size=args.block
-                )
+                )[0]
             elif impl == "triton_hedgehog":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
                     q, k, v, wl, ll, window=w, feature_map=pair, block_size=args.block
-                )
+                )[0]
             elif impl == "chunked_hedgehog":  # GQA k/v in place: the key map runs at the KV heads
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
                     q, k, v, wl, ll, window=w, feature_map=pair
-                )
+                )[0]
             elif impl == "chunked":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
                     q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w
-                )
+                )[0]
             elif impl == "sdpa":
                 fn = lambda q, k, v, wl, ll: sdpa(q, k, v)  # noqa: E731
             elif impl == "seed_naive":
@@ -287,7 +287,7 @@ def main() -> int:
                     continue
                 fn = lambda q, k, v, wl, ll: hybrid_attention_seed_naive(  # noqa: E731
                     q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), wl, ll, window=w
-                )
+                )[0]
             else:
                 raise SystemExit(f"unknown impl {impl!r}")
             for backward in (False, True) if not args.no_backward else (False,):

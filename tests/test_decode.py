@@ -61,7 +61,7 @@ def test_steps_equal_parallel_op(formulation, fmap, T, w):
     mask[1, : T // 2] = False  # row 1 is left-padded
     with torch.no_grad():
         want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", formulation=formulation,
-                                feature_map=fm, key_padding_mask=mask)
+                                feature_map=fm, key_padding_mask=mask)[0]
         got, _ = run_steps(q, k, v, wl, ll, init_state(B, H, D, w, feature_dim=F_dim), mask,
                            formulation=formulation, feature_map=fm)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
@@ -83,7 +83,7 @@ def test_prefill_state_equals_steps_and_continues(T, w, fmap):
         assert_states_equal(pre, stepped)
         # Decoding after a prefill equals the parallel op over the whole sequence.
         tail, _ = run_steps(q[:, :, T:], k[:, :, T:], v[:, :, T:], wl, ll, pre, mask[:, T:], feature_map=fm)
-        full = hybrid_attention(q, k, v, wl, ll, window=w, backend="chunked", feature_map=fm, key_padding_mask=mask)
+        full = hybrid_attention(q, k, v, wl, ll, window=w, backend="chunked", feature_map=fm, key_padding_mask=mask)[0]
     torch.testing.assert_close(tail, full[:, :, T:], atol=ATOL, rtol=RTOL)
 
 
@@ -125,7 +125,7 @@ def test_step_gradients_match_parallel():
     B, H, T, D, w = 1, 2, 11, 8, 4
     q, k, v, wl, ll = (x.requires_grad_() for x in inputs(B, H, T, D, seed=4))
     got, _ = run_steps(q, k, v, wl, ll, init_state(B, H, D, w))
-    want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference")
+    want = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference")[0]
     g = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
     for a, b in zip(
         torch.autograd.grad((got * g).sum(), [q, k, v, wl, ll]),
@@ -176,12 +176,12 @@ def test_gqa_state_decodes_like_expanded_kv(formulation, T, w):
     with torch.no_grad():
         want = hybrid_attention(
             q, ek, ev, wl, ll, window=w, backend="reference", formulation=formulation, key_padding_mask=mask
-        )
+        )[0]
         got, gqa_state = run_steps(q, k, v, wl, ll, init_state(B, Hkv, D, w), mask, formulation=formulation)
         # the dispatcher takes GQA k/v too (repeating them for the torch backends)
         par = hybrid_attention(
             q, k, v, wl, ll, window=w, backend="chunked", formulation=formulation, key_padding_mask=mask
-        )
+        )[0]
         _, full_state = run_steps(q, ek, ev, wl, ll, init_state(B, H, D, w), mask, formulation=formulation)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(par, want, atol=ATOL, rtol=RTOL)
@@ -233,7 +233,7 @@ def test_query_key_map_pair_decodes_at_kv_heads(formulation, T, w):
             formulation=formulation,
             feature_map=fm,
             key_padding_mask=mask,
-        )
+        )[0]
         got, state = run_steps(
             q, k, v, wl, ll, init_state(B, Hkv, D, w, feature_dim=2 * D), mask, formulation=formulation, feature_map=fm
         )

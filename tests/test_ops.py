@@ -66,14 +66,14 @@ def naive(q, k, v, window_logit, linear_logit, window, formulation="hybrid", phi
 def run_chunked_small_slabs(q, k, v, wl, ll, **kw):
     """Chunked with tiny chunks and slabs, so the state carry between slabs is exercised."""
     w = kw["window"]
-    return hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=w, slab_size=2 * w, **kw)
+    return hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=w, slab_size=2 * w, **kw)[0]
 
 
 BACKENDS = {
-    "reference": lambda *a, **kw: hybrid_attention(*a, backend="reference", **kw),
-    "chunked": lambda *a, **kw: hybrid_attention(*a, backend="chunked", **kw),
+    "reference": lambda *a, **kw: hybrid_attention(*a, backend="reference", **kw)[0],
+    "chunked": lambda *a, **kw: hybrid_attention(*a, backend="chunked", **kw)[0],
     "chunked_small_slabs": run_chunked_small_slabs,
-    "auto": lambda *a, **kw: hybrid_attention(*a, backend="auto", **kw),
+    "auto": lambda *a, **kw: hybrid_attention(*a, backend="auto", **kw)[0],
 }
 
 # (B, H, T, D, window): T not a multiple of w, T < w, T = 1, T = w, small and large windows.
@@ -208,21 +208,21 @@ def test_left_padding_equals_unpadded(backend, formulation, pad):
 def test_seed_naive_matches_naive():
     for B, H, T, D, w in [(2, 2, 37, 8, 8), (1, 2, 5, 8, 8), (1, 2, 70, 8, 64)]:
         q, k, v, wl, ll = make_inputs(B, H, T, D)
-        assert_same(hybrid_attention_seed_naive(q, k, v, wl, ll, window=w), naive(q, k, v, wl, ll, w))
+        assert_same(hybrid_attention_seed_naive(q, k, v, wl, ll, window=w)[0], naive(q, k, v, wl, ll, w))
 
 
 def test_seed_naive_through_dispatcher():
     q, k, v, wl, ll = make_inputs(1, 2, 40, 8)
-    assert_same(hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive"), naive(q, k, v, wl, ll, 8))
+    assert_same(hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive")[0], naive(q, k, v, wl, ll, 8))
     with pytest.raises(ValueError, match="seed_naive"):
-        hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive", formulation="lolcats")
+        hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive", formulation="lolcats")[0]
 
 
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
 def test_chunked_window_longer_than_sequence(formulation):
     """w >= T: the op is causal softmax over the prefix; chunked must not pay for the full window."""
     q, k, v, wl, ll = make_inputs(2, 2, 30, 8)
-    got = hybrid_attention_chunked(q, k, v, wl, ll, window=4096, formulation=formulation)
+    got = hybrid_attention_chunked(q, k, v, wl, ll, window=4096, formulation=formulation)[0]
     assert_same(got, naive(q, k, v, wl, ll, 4096, formulation))
 
 
@@ -233,7 +233,7 @@ def test_window_only_equals_local_softmax_and_linear_off():
     q, k, v, wl, _ = make_inputs(B, H, T, D)
     off = torch.full((H,), -1e4)  # sigmoid -> 0
     for backend in ("reference", "chunked"):
-        got = hybrid_attention(q, k, v, wl, off, window=T, backend=backend)
+        got = hybrid_attention(q, k, v, wl, off, window=T, backend=backend)[0]
         assert_same(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
@@ -255,7 +255,7 @@ def test_no_quadratic_or_d2_tensor_in_chunked():
 
     q, k, v, wl, ll = make_inputs(B, H, T, D)
     with Probe():
-        out = hybrid_attention_chunked(q, k, v, wl, ll, window=w)
+        out = hybrid_attention_chunked(q, k, v, wl, ll, window=w)[0]
         out.sum().backward()
     # O(T*D^2) would be 2048*256 = 524288 elements; the inputs themselves are T*D = 32768.
     assert max(biggest) <= 4 * T * D
@@ -263,26 +263,26 @@ def test_no_quadratic_or_d2_tensor_in_chunked():
 
 def test_dtype_and_errors(monkeypatch):
     q, k, v, wl, ll = (x.detach() for x in make_inputs(1, 2, 10, 8))
-    out = hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), wl, ll, window=4)
+    out = hybrid_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), wl, ll, window=4)[0]
     assert out.dtype == torch.bfloat16
     q16, k16, v16 = (x.bfloat16().float() for x in (q, k, v))
     torch.testing.assert_close(out.float(), naive(q16, k16, v16, wl, ll, 4), atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="backend"):
-        hybrid_attention(q, k, v, wl, ll, backend="flash")
+        hybrid_attention(q, k, v, wl, ll, backend="flash")[0]
     with pytest.raises(ValueError, match="formulation"):
-        hybrid_attention(q, k, v, wl, ll, formulation="nope")
+        hybrid_attention(q, k, v, wl, ll, formulation="nope")[0]
     with pytest.raises(ValueError, match="HedgehogFeatureMap"):
-        hybrid_attention(q, k, v, wl, ll, feature_map="hedgehog")
+        hybrid_attention(q, k, v, wl, ll, feature_map="hedgehog")[0]
     with pytest.raises(ValueError, match="window_logit"):
-        hybrid_attention(q, k, v, wl[:1], ll)
+        hybrid_attention(q, k, v, wl[:1], ll)[0]
     with pytest.raises(ValueError, match="key_padding_mask"):
-        hybrid_attention(q, k, v, wl, ll, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))
+        hybrid_attention(q, k, v, wl, ll, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))[0]
     # backend="triton" names the cause when the kernels cannot be loaded...
     monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (None, "ImportError: no triton"))
     with pytest.raises(RuntimeError, match="triton.*unavailable.*no triton"):
-        hybrid_attention(q, k, v, wl, ll, backend="triton")
+        hybrid_attention(q, k, v, wl, ll, backend="triton")[0]
     # ...while "auto" on CPU never needs them.
-    assert_same(hybrid_attention(q, k, v, wl, ll, window=4, backend="auto"), naive(q, k, v, wl, ll, 4))
+    assert_same(hybrid_attention(q, k, v, wl, ll, window=4, backend="auto")[0], naive(q, k, v, wl, ll, 4))
 
 
 def test_auto_falls_back_when_triton_declines(monkeypatch):
@@ -295,7 +295,7 @@ def test_auto_falls_back_when_triton_declines(monkeypatch):
 
     monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (declines, ""))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    out = hybrid_attention(q, k, v, wl, ll, window=4, backend="auto")
+    out = hybrid_attention(q, k, v, wl, ll, window=4, backend="auto")[0]
     monkeypatch.undo()
     assert calls == [1]
     assert_same(out, naive(q, k, v, wl, ll, 4))
@@ -349,10 +349,10 @@ def test_chunked_native_gqa_matches_reference_on_expanded_kv(heads, layout, form
     q, k, v, wl, ll = make_inputs(B, H, T, D, seed=7, kv_heads=Hk)
     mask = gqa_mask(B, T, w) if padded else None
     kw = dict(window=w, formulation=formulation, key_padding_mask=mask)
-    got = hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=C, slab_size=P, **kw)
+    got = hybrid_attention_chunked(q, k, v, wl, ll, chunk_size=C, slab_size=P, **kw)[0]
     assert got.shape == (B, H, T, D) and got.dtype == q.dtype
     ke, ve = (expand(x, H).detach().requires_grad_() for x in (k, v))  # leaves: grads per query head
-    want = hybrid_attention(q, ke, ve, wl, ll, backend="reference", **kw)
+    want = hybrid_attention(q, ke, ve, wl, ll, backend="reference", **kw)[0]
     assert_same(got, want)
     g_q, g_k, g_v, g_wl, g_ll = grads(got, [q, k, v, wl, ll])
     w_q, w_ke, w_ve, w_wl, w_ll = grads(want, [q, ke, ve, wl, ll])
@@ -361,7 +361,7 @@ def test_chunked_native_gqa_matches_reference_on_expanded_kv(heads, layout, form
     for g_got, g_want in pairs:
         assert_same(g_got, g_want)
     # Same blocks, k/v expanded first (the former dispatcher path): the same numbers.
-    old = hybrid_attention_chunked(q, expand(k, H), expand(v, H), wl, ll, chunk_size=C, slab_size=P, **kw)
+    old = hybrid_attention_chunked(q, expand(k, H), expand(v, H), wl, ll, chunk_size=C, slab_size=P, **kw)[0]
     torch.testing.assert_close(got, old, atol=1e-6, rtol=1e-5)
 
 
@@ -373,13 +373,15 @@ def test_dispatcher_passes_gqa_kv_to_chunked_unexpanded(monkeypatch, formulation
     q, k, v, wl, ll = make_inputs(B, H, T, D, seed=8, kv_heads=Hk)
     mask = gqa_mask(2, T, w)[1:]
     want = hybrid_attention(q, *ops.expand_kv(q, k, v), wl, ll, window=w, formulation=formulation,
-                            key_padding_mask=mask, backend="reference")
+                            key_padding_mask=mask, backend="reference")[0]
 
     def no_expand(*args):
         raise AssertionError("expand_kv called on the native GQA path")
 
     monkeypatch.setattr(ops, "expand_kv", no_expand)
-    got = hybrid_attention(q, k, v, wl, ll, window=w, formulation=formulation, key_padding_mask=mask, backend="chunked")
+    got, _ = hybrid_attention(
+        q, k, v, wl, ll, window=w, formulation=formulation, key_padding_mask=mask, backend="chunked"
+    )
     assert_same(got, want)
 
 
@@ -395,7 +397,7 @@ def test_chunked_gqa_with_per_head_feature_map_expands_kv(monkeypatch):
     calls = []
     expand_kv = ops.expand_kv
     monkeypatch.setattr(ops, "expand_kv", lambda *a: calls.append(1) or expand_kv(*a))
-    got = hybrid_attention_chunked(q, k, v, wl, ll, window=w, feature_map=fmap, chunk_size=w, slab_size=2 * w)
+    got = hybrid_attention_chunked(q, k, v, wl, ll, window=w, feature_map=fmap, chunk_size=w, slab_size=2 * w)[0]
     assert calls == [1]
     assert_same(got, want)
     for g_got, g_want in zip(grads(got, leaves), grads(want, leaves)):
@@ -411,9 +413,9 @@ def test_chunked_gqa_shape_errors():
         (torch.randn(1, 2, 10, 8), torch.randn(1, 3, 10, 8)),  # v's heads differ from k's
     ]:
         with pytest.raises(ValueError, match="GQA"):
-            hybrid_attention_chunked(q, k, v, torch.zeros(6), torch.zeros(6), window=4)
+            hybrid_attention_chunked(q, k, v, torch.zeros(6), torch.zeros(6), window=4)[0]
     with pytest.raises(ValueError, match="window_logit"):
-        hybrid_attention_chunked(q, q[:, :2], q[:, :2], torch.zeros(2), torch.zeros(6), window=4)
+        hybrid_attention_chunked(q, q[:, :2], q[:, :2], torch.zeros(2), torch.zeros(6), window=4)[0]
 
 
 def perturbed_hedgehog(heads, D, seed, feature_dim=None):
@@ -471,7 +473,7 @@ def test_window_share_splits_the_output(formulation, fmap):
     q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, T, D, seed=8, kv_heads=Hk))
     feature_map = "elu1" if fmap == "elu1" else (perturbed_hedgehog(H, D, 1), perturbed_hedgehog(Hk, D, 2))
     run = lambda f, wl_, ll_: hybrid_attention(q, k, v, wl_, ll_, window=w, formulation=f, feature_map=feature_map,  # noqa: E731
-                                               backend="reference")
+                                               backend="reference")[0]
     with torch.no_grad():
         full = run(formulation, wl, ll)
         win_avg = run("window", wl, ll)

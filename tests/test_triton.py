@@ -106,7 +106,7 @@ def check_op(T, D, window, *, H=4, HKV=2, B=1, dtype=torch.float32, formulation=
         mask[0, : min(T, 3)] = False  # leading padding: queries with an empty window (zeros out)
         mask = mask.to(DEV)
     out = hybrid_attention_triton(q, k, v, wl, ll, window=window, formulation=formulation,
-                                  key_padding_mask=mask, block_size=block)
+                                  key_padding_mask=mask, block_size=block)[0]
     assert out.dtype == dtype and out.shape == q.shape
     ref = naive_hybrid(q, k, v, wl, ll, window, formulation, mask)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
@@ -165,8 +165,8 @@ def test_prefill_fp16(T, D, window, formulation):
 def test_matches_reference_backend_through_dispatcher():
     """Expanded k/v (H_kv = H) through ``hybrid_attention(backend="triton")`` vs the `reference` backend."""
     q, k, v, wl, ll = make_inputs(2, 2, 2, 70, 16, torch.float32, seed=3, logit_scale=3.0)
-    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton")
-    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference")
+    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton")[0]
+    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference")[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     g = torch.autograd.grad(out.square().sum(), (q, k, v, wl, ll))
     rg = torch.autograd.grad(ref.square().sum(), (q, k, v, wl, ll))
@@ -180,13 +180,13 @@ def test_unsupported_options_raise_not_implemented():
         hybrid_attention_triton(q, k, v, wl, ll, window=4, feature_map=lambda x: torch.cat([x, x[..., :8]], -1).exp())
     q24, k24, v24, _, _ = make_inputs(1, 2, 2, 8, 24, torch.float32)
     with pytest.raises(NotImplementedError):
-        hybrid_attention_triton(q24, k24, v24, wl, ll, window=4)
+        hybrid_attention_triton(q24, k24, v24, wl, ll, window=4)[0]
     # Hedgehog at D = 128 (F = 256): its [F, D] state does not fit the backward's shared memory.
     q128, k128, v128, _, _ = make_inputs(1, 2, 2, 8, 128, torch.float32)
     with pytest.raises(NotImplementedError):
         hybrid_attention_triton(
             q128, k128, v128, wl, ll, window=4, feature_map=make_feature_map("pair", 2, 2, 128, None)
-        )
+        )[0]
 
 
 # ------------------------------------------------------------- learned feature maps, window-only
@@ -229,8 +229,8 @@ def check_features_op(
         mask[0, : min(T, 3)] = False
         mask = mask.to(DEV)
     kw = dict(window=window, formulation=formulation, feature_map=fmap, key_padding_mask=mask)
-    out = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)
-    ref = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+    out = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)[0]
+    ref = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     inputs = (q, k, v, wl, ll, *map_params(fmap))
     names = ("dq", "dk", "dv", "dwindow_logit", "dlinear_logit") + tuple(f"dmap{i}" for i in range(len(inputs) - 5))
@@ -285,8 +285,8 @@ def test_dispatcher_runs_feature_kernels(monkeypatch):
     monkeypatch.setattr(triton_prefill._HybridAttentionTriton, "apply", spy)
     q, k, v, wl, ll = make_inputs(1, 4, 2, 40, 16, torch.float32, seed=21)
     pair = make_feature_map("pair", 4, 2, 16, None, seed=21)
-    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton", feature_map=pair)
-    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference", feature_map=pair)
+    out = hybrid_attention(q, k, v, wl, ll, window=16, backend="triton", feature_map=pair)[0]
+    ref = hybrid_attention(q, k, v, wl, ll, window=16, backend="reference", feature_map=pair)[0]
     assert calls == [True]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     params = map_params(pair)
@@ -348,7 +348,7 @@ def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad)
     assert torch.equal(st.window_valid, st_torch.window_valid)
     pre = prefill_state(k, v, window=window, key_padding_mask=valid)
     torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
-    par = hybrid_attention_triton(q, k, v, wl, ll, window=window, formulation=formulation, key_padding_mask=valid)
+    par = hybrid_attention_triton(q, k, v, wl, ll, window=window, formulation=formulation, key_padding_mask=valid)[0]
     torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
     naive = naive_hybrid(q, k, v, wl, ll, window, formulation, valid).float()
     torch.testing.assert_close(par, naive, atol=1e-5, rtol=1e-5)
@@ -388,7 +388,7 @@ def test_decode_steps_with_feature_pair_match_torch_step(formulation):
         torch.testing.assert_close(st.z, pre.z, atol=1e-5, rtol=1e-5)
         par = hybrid_attention_triton(
             q, k, v, wl, ll, window=w, formulation=formulation, feature_map=pair, key_padding_mask=valid
-        )
+        )[0]
     torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
 
 
@@ -473,12 +473,12 @@ def test_gpu_bf16_long_vs_chunked(T):
 
     B, H, HKV, D = 1, 32, 8, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=11)
-    out = hybrid_attention_triton(q, k, v, wl, ll, window=64)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64)[0]
     rep = H // HKV
     with torch.no_grad():
         ref = hybrid_attention_chunked(
             q.float(), k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1), wl, ll, window=64
-        )
+        )[0]
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     out.float().square().sum().backward()  # runs and is finite at full size
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))
@@ -493,10 +493,10 @@ def test_gpu_fp32_grads_vs_chunked(formulation):
     B, H, HKV, T, D = 2, 8, 2, 1000, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=12)
     mask = torch.rand(B, T, device=DEV) > 0.1
-    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)[0]
     rep = H // HKV
     ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    ref = hybrid_attention_chunked(q, ke, ve, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)
+    ref = hybrid_attention_chunked(q, ke, ve, wl, ll, window=64, formulation=formulation, key_padding_mask=mask)[0]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     dout = torch.randn_like(out)
     g = torch.autograd.grad(out, (q, k, v, wl, ll), dout)
@@ -539,11 +539,11 @@ def test_gpu_bf16_hedgehog_pair_long_vs_chunked(formulation):
     B, H, HKV, T, D = 1, 32, 8, 4096, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=14)
     pair = make_feature_map("pair", H, HKV, D, None, seed=14)
-    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, feature_map=pair)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=64, formulation=formulation, feature_map=pair)[0]
     with torch.no_grad():
         ref = hybrid_attention_chunked(
             q.float(), k.float(), v.float(), wl, ll, window=64, formulation=formulation, feature_map=pair
-        )
+        )[0]
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
     out.float().square().sum().backward()  # runs and is finite at full size
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v, wl, ll))
@@ -562,8 +562,8 @@ def test_gpu_fp32_hedgehog_pair_grads_vs_chunked(formulation):
     pair = make_feature_map("pair", H, HKV, D, None, seed=15)
     mask = torch.rand(B, T, device=DEV) > 0.1
     kw = dict(window=64, formulation=formulation, feature_map=pair, key_padding_mask=mask)
-    out = hybrid_attention_triton(q, k, v, wl, ll, **kw)
-    ref = hybrid_attention_chunked(q, k, v, wl, ll, **kw)
+    out = hybrid_attention_triton(q, k, v, wl, ll, **kw)[0]
+    ref = hybrid_attention_chunked(q, k, v, wl, ll, **kw)[0]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     inputs = (q, k, v, wl, ll, *map_params(pair))
     dout = torch.randn_like(out)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-from hybrid_llama.ops import HedgehogFeatureMap, HybridState, hybrid_attention, hybrid_attention_step, prefill_state
+from hybrid_llama.ops import HedgehogFeatureMap, HybridState, hybrid_attention, hybrid_attention_step
 from hybrid_llama.ops.reference import FORMULATIONS
 
 FEATURE_MAPS = ("elu1", "hedgehog")
@@ -273,8 +273,11 @@ class HybridLlamaAttention(LlamaAttention):
         position_embeddings: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
         past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[Tensor, None]:
+        # transformers >= 5.2x passes the cache as `cache`, earlier 5.x as `past_key_values`.
+        past_key_values = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         q, k, v = self.project(hidden_states, position_embeddings)
 
@@ -291,7 +294,9 @@ class HybridLlamaAttention(LlamaAttention):
                     f"layer {self.layer_idx}: the cache saw {slot.seen} tokens without keeping a hybrid state "
                     "(forward ran in training mode); run the prefill in eval mode to decode"
                 )
-            out = hybrid_attention(
+            # Training forwards never decode: they skip the final state.
+            keep_state = slot is not None and not self.training
+            out, state = hybrid_attention(
                 q,
                 k,
                 v,
@@ -302,15 +307,10 @@ class HybridLlamaAttention(LlamaAttention):
                 formulation=cfg.formulation,
                 feature_map=fmap,
                 key_padding_mask=valid,
+                output_final_state=keep_state,
             )
             if slot is not None:
-                state = None
-                if not self.training:  # training forwards never decode: skip the state's O(T*D^2) work
-                    with torch.no_grad():
-                        state = prefill_state(
-                            k.detach(), v.detach(), window=cfg.window, feature_map=fmap, key_padding_mask=valid
-                        )
-                slot.set_state(state, q_len)
+                slot.set_state(None if state is None else state.detach(), q_len)
         else:
             state, outs = slot.state, []
             for t in range(q_len):

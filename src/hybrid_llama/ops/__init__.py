@@ -3,13 +3,15 @@
 Public API (contract in docs/design.md, section "ops"):
 
 - ``hybrid_attention(q, k, v, window_logit, linear_logit, *, window, backend, formulation,
-  feature_map, key_padding_mask)``: the parallel (prefill / training) op.
+  feature_map, key_padding_mask, output_final_state)``: the parallel (prefill / training) op; like
+  every backend it returns ``(o, final_state)``, the state only when asked for (from the same pass).
 - ``hybrid_attention_step(q, k, v, state, window_logit, linear_logit, *, ...)``: one decode step.
 - ``prefill_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
 
 Backends: ``reference`` (readable, O(T^2)), ``chunked`` (pure PyTorch, O(T*w*D + T*D^2)),
 ``triton`` (CUDA kernels, loaded lazily from ``triton_prefill`` / ``triton_decode``), ``auto``
-(triton on CUDA when it imports and supports the options, else chunked), and ``seed_naive`` (the
+(triton on CUDA when it imports and supports the options, else chunked; a fallback on CUDA is
+logged once with its reason), and ``seed_naive`` (the
 published recreation's O(T*D^2)-memory style, a benchmark baseline: prefill only, elu1 + hybrid
 formulation without padding; its decode step is the torch step).
 """
@@ -17,6 +19,7 @@ formulation without padding; its decode step is the torch step).
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 from torch import Tensor
@@ -38,6 +41,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "chunked", "triton", "seed_naive")
+logger = logging.getLogger(__name__)
+_FALLBACKS_LOGGED: set[tuple[str, str]] = set()
 
 
 def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
@@ -61,6 +66,23 @@ def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
+def _fall_back(op: str, reason: str) -> None:
+    """Say once per (op, reason) that ``auto`` did not take the triton kernels, and why."""
+    if (op, reason) not in _FALLBACKS_LOGGED:
+        _FALLBACKS_LOGGED.add((op, reason))
+        logger.warning("hybrid_attention%s: backend 'auto' falls back to torch on CUDA: %s", op, reason)
+
+
+def _triton_or_fallback(module: str, attr: str, backend: str, op: str) -> Callable | None:
+    """The triton entry point for ``backend`` 'triton' (raises if missing) or 'auto' (None, logged)."""
+    fn, why = _load_triton(module, attr)
+    if fn is None:
+        if backend == "triton":
+            raise RuntimeError(f"backend='triton' is unavailable{op and ' for ' + op.strip('_')} ({why})")
+        _fall_back(op, why)
+    return fn
+
+
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
@@ -73,11 +95,16 @@ def hybrid_attention(
     formulation: str = "hybrid",
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
-) -> Tensor:
-    """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H);
-    returns ``[B, H, T, D]`` in q's dtype. The triton kernels and the chunked backend read the KV heads
-    in place; reference repeats them itself, seed_naive gets them repeated here."""
-    kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask)
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
+    """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H).
+
+    Returns ``(o, final_state)``: o ``[B, H, T, D]`` in q's dtype, and with ``output_final_state``
+    the ``HybridState`` after the T tokens (what ``hybrid_attention_step`` continues from), else
+    None. The triton kernels and the chunked backend read the KV heads in place; reference repeats
+    them itself, seed_naive gets them repeated here."""
+    kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
+                  output_final_state=output_final_state)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -87,19 +114,19 @@ def hybrid_attention(
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
         from .seed_naive import hybrid_attention_seed_naive
 
-        return hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
-    if backend in ("triton", "auto") and (backend == "triton" or q.is_cuda):
-        fn, why = _load_triton("triton_prefill", "hybrid_attention_triton")
-        if fn is None:
+        k, v = expand_kv(q, k, v)
+        return hybrid_attention_seed_naive(
+            q, k, v, window_logit, linear_logit, window=window, output_final_state=output_final_state
+        )
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        fn = _triton_or_fallback("triton_prefill", "hybrid_attention_triton", backend, "")
+        if fn is not None:
             if backend == "triton":
-                raise RuntimeError(f"backend='triton' is unavailable ({why})")
-        elif backend == "triton":
-            return fn(q, k, v, window_logit, linear_logit, **kwargs)
-        else:
+                return fn(q, k, v, window_logit, linear_logit, **kwargs)
             try:
                 return fn(q, k, v, window_logit, linear_logit, **kwargs)
-            except NotImplementedError:  # an option the kernel does not cover: fall back
-                pass
+            except NotImplementedError as exc:  # an option the kernel does not cover
+                _fall_back("", f"{exc}")
     from .chunked import hybrid_attention_chunked
 
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
@@ -131,15 +158,12 @@ def hybrid_attention_step(
     if backend not in BACKENDS + ("torch",):
         raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        fn, why = _load_triton("triton_decode", "hybrid_attention_step_triton")
-        if fn is None:
+        fn = _triton_or_fallback("triton_decode", "hybrid_attention_step_triton", backend, "_step")
+        if fn is not None:
             if backend == "triton":
-                raise RuntimeError(f"backend='triton' is unavailable for decode ({why})")
-        elif backend == "triton":
-            return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
-        else:
+                return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
             try:
                 return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
-            except NotImplementedError:
-                pass
+            except NotImplementedError as exc:
+                _fall_back("_step", f"{exc}")
     return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, **kwargs)

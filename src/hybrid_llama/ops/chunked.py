@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .decode import HybridState, prefill_state
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .reference import check_inputs, combine, mixing_weights
 
@@ -81,7 +82,10 @@ def hybrid_attention_chunked(
     key_padding_mask: Tensor | None = None,
     chunk_size: int | None = None,
     slab_size: int | None = None,
-) -> Tensor:
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
+    """Returns ``(o, final_state)``; the decode state after the T tokens when ``output_final_state``,
+    its linear sums taken from the same pass (no second pass over the keys), else None."""
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     g = q.shape[1] // k.shape[1]  # query heads per KV head (GQA), 1 when k/v have H heads
     if g > 1 and keys_need_query_heads(feature_map):
@@ -90,6 +94,7 @@ def hybrid_attention_chunked(
         k, v = expand_kv(q, k, v)
         g = 1
     out_dtype = q.dtype
+    k_in, v_in = k, v  # the decode state's window buffers keep the keys' own dtype
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     q, k, v = q.float(), k.float(), v.float()
     B, H, T, D = q.shape
@@ -116,6 +121,7 @@ def hybrid_attention_chunked(
 
     a, b = mixing_weights(window_logit, linear_logit)
     carry = None  # [S | z] over every key before the slab, [B, Hk, 1, F, D+1]
+    sums = None  # [S | z] over the keys 0 .. T-1-w, for the final state
     outs, result, lower = [], None, None
     for t0 in range(0, T, P):
         t1 = min(t0 + P, T)
@@ -183,6 +189,10 @@ def hybrid_attention_chunked(
         if lower is None or lower.shape[0] != nc:
             lower = torch.ones(nc, nc, dtype=q.dtype, device=q.device).tril_(-1)
         state_in = torch.matmul(lower, kv.reshape(B, Hk, 1, nc, -1)).view(B, Hk, 1, nc, Fd, D + 1)
+        if output_final_state and t1 == T:
+            # The padded tail rows L.. of the last slab are keys still in the window (or beyond T).
+            tail = kv.sum(dim=3) if Lp == L else (phi_k[:, :, :L].transpose(-1, -2) @ v1[:, :, :L])[:, :, None]
+            sums = tail if carry is None else carry + tail
         if carry is not None:
             state_in = state_in + carry[:, :, :, None]
             carry = carry + kv.sum(dim=3)
@@ -199,4 +209,11 @@ def hybrid_attention_chunked(
         result = _emit(out[:, :, :L], outs, result, t0, T, P)
     if result is None:
         result = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    return result.to(out_dtype)
+    final_state = None
+    if output_final_state:
+        linear_sums = None if sums is None else (sums[:, :, 0, :, :D], sums[:, :, 0, :, D])
+        final_state = prefill_state(
+            k_in, v_in, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
+            linear_sums=linear_sums,
+        )
+    return result.to(out_dtype), final_state

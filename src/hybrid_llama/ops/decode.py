@@ -41,6 +41,13 @@ class HybridState:
             pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen
         )
 
+    def detach(self) -> HybridState:
+        """The same state cut from autograd (a cache never backpropagates into its prefill)."""
+        return HybridState(
+            self.k_window.detach(), self.v_window.detach(), self.window_valid, self.S.detach(), self.z.detach(),
+            self.seen,
+        )
+
     def to(self, device=None, dtype=None) -> HybridState:
         """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
         return HybridState(
@@ -86,12 +93,15 @@ def prefill_state(
     window: int,
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
+    linear_sums: tuple[Tensor, Tensor] | None = None,
 ) -> HybridState:
-    """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``."""
+    """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``.
+
+    ``linear_sums``: ``(S, z)`` over the keys that left the window, when the caller (a prefill op
+    returning its final state) already has them; otherwise they are computed here."""
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = k.shape
-    phi_k = resolve_qk_maps(feature_map)[1]
     real = (
         key_padding_mask
         if key_padding_mask is not None
@@ -102,10 +112,10 @@ def prefill_state(
 
     state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
     n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
-    if n_lin > 0:
-        k_features = phi_k(k[:, :, :n_lin].float()) * real[:, None, :n_lin, None]
-        state.S = torch.matmul(k_features.transpose(-1, -2), v[:, :, :n_lin].float())
-        state.z = k_features.sum(dim=2)
+    if linear_sums is not None:
+        state.S, state.z = linear_sums
+    elif n_lin > 0:
+        state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], real[:, :n_lin], feature_map)
     kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
     slots = kept % window
     k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
@@ -114,6 +124,15 @@ def prefill_state(
     valid[:, slots] = real[:, kept]
     state.k_window, state.v_window, state.window_valid, state.seen = k_window, v_window, valid, T
     return state
+
+
+def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap) -> tuple[Tensor, Tensor]:
+    """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the
+    given keys; ``real`` ``[B, T]`` bool drops padding."""
+    k_features = resolve_qk_maps(feature_map)[1](k.float())
+    if real is not None:
+        k_features = k_features * real[:, None, :, None]
+    return torch.matmul(k_features.transpose(-1, -2), v.float()), k_features.sum(dim=2)
 
 
 def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:

@@ -9,11 +9,15 @@ that every backend applies the same normalisation rules.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+
+if TYPE_CHECKING:
+    from .decode import HybridState
 
 # hybrid: the published recreation's two normalizers; lolcats: one shared normalizer; window: the
 # softmax window alone (the linear part switched off: the window-only control).
@@ -160,11 +164,19 @@ def hybrid_attention_reference(
     formulation: str = "hybrid",
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
-) -> Tensor:
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
+    """Returns ``(o, final_state)``: the decode state after the T tokens when ``output_final_state``
+    (by its definition, ``prefill_state``), else None."""
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     parts = reference_parts(q, k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
     a, b = mixing_weights(window_logit, linear_logit)
-    return combine(formulation, a, b, *parts).to(q.dtype)
+    o = combine(formulation, a, b, *parts).to(q.dtype)
+    if not output_final_state:
+        return o, None
+    from .decode import prefill_state  # (decode imports this module's helpers)
+
+    return o, prefill_state(k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
 
 
 def window_share(

@@ -23,10 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .decode import HybridState, prefill_state
+
 
 def hybrid_attention_seed_naive(
-    q: Tensor, k: Tensor, v: Tensor, window_logit: Tensor, linear_logit: Tensor, *, window: int = 64
-) -> Tensor:
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int = 64,
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
+    """Returns ``(o, final_state)``; the recreation had no decode state, so it is built by
+    ``prefill_state`` when asked for (the torch step decodes from it)."""
     B, H, T, D = q.shape
     w = window
     a = torch.sigmoid(window_logit).view(1, H, 1, 1)
@@ -50,4 +61,5 @@ def hybrid_attention_seed_naive(
     lin_num = b * torch.einsum("bhtf,bhtfd->bhtd", phi_q, kv)
     lin_den = b * torch.einsum("bhtf,bhtf->bht", phi_q, phi_k.cumsum(dim=2))[..., None]
 
-    return (win_num + lin_num) / (win_den + lin_den)
+    o = (win_num + lin_num) / (win_den + lin_den)
+    return o, prefill_state(k, v, window=window) if output_final_state else None

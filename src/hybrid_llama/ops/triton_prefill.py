@@ -57,6 +57,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .decode import HybridState, prefill_state
 from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
 from .triton_common import (
     check_device,
@@ -702,9 +703,12 @@ def hybrid_attention_triton(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     block_size: int | None = None,
-) -> Tensor:
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
     """Fused hybrid attention (see docs/design.md "ops"): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``
-    with ``H % H_kv == 0``; returns ``[B, H, T, D]`` in q's dtype. Differentiable in q, k, v, both
+    with ``H % H_kv == 0``; returns ``(o, final_state)``, o ``[B, H, T, D]`` in q's dtype. The
+    kernels do not write the decode state: with ``output_final_state`` it is one torch GEMM over the
+    keys that left the window (``prefill_state``), else None. Differentiable in q, k, v, both
     logits and the parameters of a learned ``feature_map`` ("elu1", one callable for q and k, or a
     (query_map, key_map) pair; the maps run in torch, the kernels read their features).
     ``block_size`` (power of two >= 16) is the query/key/chunk block, default 64 (32 when D or the
@@ -738,7 +742,13 @@ def hybrid_attention_triton(
     if block < 16 or block & (block - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block}")
     if T == 0:
-        return q.new_zeros(q.shape)
-    return _HybridAttentionTriton.apply(
+        return q.new_zeros(q.shape), None
+    o = _HybridAttentionTriton.apply(
         q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats, linear, key_padding_mask, block
     )
+    if not output_final_state:
+        return o, None
+    state = prefill_state(
+        k.detach(), v.detach(), window=window, feature_map=feature_map, key_padding_mask=key_padding_mask
+    )
+    return o, state
