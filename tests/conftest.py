@@ -36,6 +36,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lively_dir(tmp_path_factory) -> Path:
+    """Tiny random Llama with a large init: greedy tokens vary a lot, so equal runs mean something."""
+    spec = {"kind": "random", "preset": "tiny", "seed": 1, "initializer_range": 0.2}
+    return resolve_model(spec, tmp_path_factory.mktemp("models") / "lively")
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

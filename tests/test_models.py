@@ -84,13 +84,6 @@ def rope(x, cos, sin):
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-@pytest.fixture(scope="module")
-def lively_dir(tmp_path_factory):
-    """Tiny random Llama with a large init: greedy tokens vary a lot, so equal runs mean something."""
-    spec = {"kind": "random", "preset": "tiny", "seed": 1, "initializer_range": 0.2}
-    return resolve_model(spec, tmp_path_factory.mktemp("models") / "lively")
-
-
 def hybrid_lively(lively_dir, formulation="hybrid", feature_map="elu1", window=4, layers=HYBRID_LAYERS):
     model, tok = load_model(lively_dir, dtype=torch.float32)
     convert_to_hybrid(model, layers, window=window, formulation=formulation, feature_map=feature_map,

@@ -11,7 +11,7 @@ a :class:`HybridCacheLayer` on first use, while softmax layers keep their normal
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -20,7 +20,13 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-from hybrid_llama.ops import HedgehogFeatureMap, HybridState, hybrid_attention, hybrid_attention_step
+from hybrid_llama.ops import (
+    HedgehogFeatureMap,
+    HybridState,
+    hybrid_attention,
+    hybrid_attention_step,
+    sparse_cache_config,
+)
 from hybrid_llama.ops.reference import FORMULATIONS
 
 FEATURE_MAPS = ("elu1", "hedgehog")
@@ -35,6 +41,11 @@ class HybridConfig:
     formulation: str = "hybrid"
     feature_map: str = "elu1"  # "elu1" | "hedgehog"
     backend: str = "auto"
+    # The third memory (ops.sparse_cache): keys per KV head kept exactly, pinned first positions, and
+    # the rule that picks the keys; 0 and 0 leave the layer as it is.
+    sparse_cache: int = 0
+    sinks: int = 0
+    cache_score: str = "sre"
 
     def __post_init__(self) -> None:
         self.layers = sorted({int(i) for i in self.layers})
@@ -45,10 +56,27 @@ class HybridConfig:
             raise ValueError(f"HybridConfig.formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
         if self.feature_map not in FEATURE_MAPS:
             raise ValueError(f"HybridConfig.feature_map must be one of {FEATURE_MAPS}, got {self.feature_map!r}")
+        try:
+            sparse_cache_config(self.sparse_cache, self.sinks, self.cache_score, self.formulation)
+        except ValueError as exc:
+            raise ValueError(f"HybridConfig: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as config.json stores it; the sparse-cache keys only when the cache is on, so
+        models saved without it keep their exact config."""
+        d = asdict(self)
+        if not (self.sparse_cache or self.sinks):
+            for key in ("sparse_cache", "sinks", "cache_score"):
+                d.pop(key)
+        return d
+
+    @property
+    def sparse_kwargs(self) -> dict[str, Any]:
+        return {"sparse_cache": self.sparse_cache, "sinks": self.sinks, "cache_score": self.cache_score}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
-        known = {"layers", "window", "formulation", "feature_map", "backend"}
+        known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown HybridConfig keys {sorted(unknown)}")
@@ -147,10 +175,7 @@ class HybridCacheLayer(CacheLayerMixin):
         self.seen += consumed
 
     def nbytes(self) -> int:
-        s = self.state
-        if s is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in (s.k_window, s.v_window, s.window_valid, s.S, s.z))
+        return 0 if self.state is None else self.state.nbytes()
 
     def offload(self) -> None:
         if self.state is not None:
@@ -308,6 +333,7 @@ class HybridLlamaAttention(LlamaAttention):
                 feature_map=fmap,
                 key_padding_mask=valid,
                 output_final_state=keep_state,
+                **cfg.sparse_kwargs,
             )
             if slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)
@@ -325,6 +351,7 @@ class HybridLlamaAttention(LlamaAttention):
                     formulation=cfg.formulation,
                     key_valid=None if valid is None else valid[:, t],
                     backend=cfg.backend,
+                    **cfg.sparse_kwargs,
                 )
                 outs.append(o)
             out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)
@@ -335,4 +362,7 @@ class HybridLlamaAttention(LlamaAttention):
 
     def extra_repr(self) -> str:
         c = self.hybrid
-        return f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"
+        text = f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"
+        if c.sparse_cache or c.sinks:
+            text += f", sparse_cache={c.sparse_cache}, sinks={c.sinks}, cache_score={c.cache_score}"
+        return text

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
@@ -43,6 +41,9 @@ def convert_to_hybrid(
     formulation: str = "hybrid",
     feature_map: str = "elu1",
     backend: str = "auto",
+    sparse_cache: int = 0,
+    sinks: int = 0,
+    cache_score: str = "sre",
 ) -> nn.Module:
     """Replace the attention of ``layers`` by hybrid attention, in place; returns ``model``.
 
@@ -50,7 +51,7 @@ def convert_to_hybrid(
     drifts when the student trains. The settings go to ``model.config.hybrid`` (saved in config.json).
     """
     cfg = HybridConfig(layers=list(layers), window=window, formulation=formulation, feature_map=feature_map,
-                       backend=backend)
+                       backend=backend, sparse_cache=sparse_cache, sinks=sinks, cache_score=cache_score)
     blocks = decoder_layers(model)
     bad = [i for i in cfg.layers if not 0 <= i < len(blocks)]
     if bad:
@@ -59,7 +60,7 @@ def convert_to_hybrid(
         raise ValueError("model is already converted (model.config.hybrid is set)")
     for i in cfg.layers:
         blocks[i].self_attn = make_hybrid_attention(blocks[i].self_attn, cfg)
-    model.config.hybrid = asdict(cfg)
+    model.config.hybrid = cfg.to_dict()
     return model
 
 

@@ -26,7 +26,10 @@ from torch import Tensor
 
 from .decode import HybridState, hybrid_attention_step_torch, init_state, prefill_state
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1
-from .reference import hybrid_attention_reference
+from .reference import check_inputs, hybrid_attention_reference
+from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse
+from .sparse_decode import hybrid_attention_step_sparse, init_sparse_state
+from .sparse_reference import hybrid_attention_sparse_reference
 
 __all__ = [
     "hybrid_attention",
@@ -38,6 +41,9 @@ __all__ = [
     "HedgehogFeatureMap",
     "elu1",
     "BACKENDS",
+    "CACHE_SCORES",
+    "SparseCacheConfig",
+    "init_sparse_state",
 ]
 
 BACKENDS = ("auto", "reference", "chunked", "triton", "seed_naive")
@@ -96,8 +102,15 @@ def hybrid_attention(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     output_final_state: bool = False,
+    sparse_cache: int = 0,
+    sinks: int = 0,
+    cache_score: str = "sre",
 ) -> tuple[Tensor, HybridState | None]:
     """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H).
+
+    ``sparse_cache`` (λ keys per KV head), ``sinks`` (pinned first positions) and ``cache_score``
+    add the third memory of ``sparse_cache`` (``lolcats`` formulation only); 0 and 0 leave the op
+    as it is. Its triton path falls back to torch, and says so.
 
     Returns ``(o, final_state)``: o ``[B, H, T, D]`` in q's dtype, and with ``output_final_state``
     the ``HybridState`` after the T tokens (what ``hybrid_attention_step`` continues from), else
@@ -107,6 +120,9 @@ def hybrid_attention(
                   output_final_state=output_final_state)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
+    if cache.active:
+        return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
     if backend == "reference":
         return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
     if backend == "seed_naive":
@@ -134,6 +150,30 @@ def hybrid_attention(
     return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
 
 
+def sparse_cache_config(size: int, sinks: int, score: str, formulation: str) -> SparseCacheConfig:
+    """The sparse cache's settings, checked; it is defined for the shared normalizer only."""
+    cache = SparseCacheConfig(size, sinks, score)
+    if cache.active and formulation != "lolcats":
+        raise ValueError(
+            f"sparse_cache/sinks need formulation='lolcats' (one normalizer shared by the exact keys and the linear "
+            f"state); got formulation={formulation!r}"
+        )
+    return cache
+
+
+def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, **kwargs):
+    check_inputs(q, k, v, window_logit, linear_logit, kwargs["window"], "lolcats", kwargs["key_padding_mask"])
+    kwargs.pop("formulation")
+    if backend == "reference":
+        if kwargs.pop("output_final_state"):
+            raise ValueError("the sparse-cache reference gives no decode state; use backend='chunked'")
+        o, _, _ = hybrid_attention_sparse_reference(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
+        return o, None
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        _fall_back("", "the triton kernels have no sparse cache")
+    return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
+
+
 def hybrid_attention_step(
     q: Tensor,
     k: Tensor,
@@ -146,6 +186,9 @@ def hybrid_attention_step(
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
     backend: str = "auto",
+    sparse_cache: int = 0,
+    sinks: int = 0,
+    cache_score: str = "sre",
 ) -> tuple[Tensor, HybridState]:
     """One decode step: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` with the state's heads equal to
     H_kv (GQA; H_kv = H for expanded k/v); returns (out ``[B, H, 1, D]``, new state).
@@ -157,6 +200,12 @@ def hybrid_attention_step(
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
     if backend not in BACKENDS + ("torch",):
         raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
+    cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
+    if cache.active or state.sparse is not None:
+        if backend == "triton" or (backend == "auto" and q.is_cuda):
+            _fall_back("_step", "the triton kernels have no sparse cache")
+        kwargs.pop("formulation")
+        return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache, **kwargs)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         fn = _triton_or_fallback("triton_decode", "hybrid_attention_step_triton", backend, "_step")
         if fn is not None:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .feature_maps import FeatureMap, feature_dim_of, keys_need_query_heads, resolve_qk_maps
 from .reference import FORMULATIONS, combine, mixing_weights
+from .sparse_cache import SparseState
 
 
 @dataclass
@@ -29,6 +30,7 @@ class HybridState:
     S: Tensor  # [B, H, F, D] fp32, sum of phi(k) v^T over keys that left the window
     z: Tensor  # [B, H, F]    fp32, sum of phi(k)
     seen: int  # tokens consumed; the next token goes to slot seen % w
+    sparse: SparseState | None = None  # sinks, pending block and sparse cache (sparse_cache module)
 
     @property
     def window(self) -> int:
@@ -38,15 +40,21 @@ class HybridState:
         """The state of the rows ``batch_index`` (beam search / batch reordering)."""
         pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
         return HybridState(
-            pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen
+            pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen,
+            None if self.sparse is None else self.sparse.map(lambda _, t: pick(t)),
         )
 
     def detach(self) -> HybridState:
         """The same state cut from autograd (a cache never backpropagates into its prefill)."""
         return HybridState(
             self.k_window.detach(), self.v_window.detach(), self.window_valid, self.S.detach(), self.z.detach(),
-            self.seen,
+            self.seen, None if self.sparse is None else self.sparse.map(lambda _, t: t.detach()),
         )
+
+    def nbytes(self) -> int:
+        """Bytes held: the window ring, the linear sums and the sparse memories (fixed in T)."""
+        own = (self.k_window, self.v_window, self.window_valid, self.S, self.z)
+        return sum(t.numel() * t.element_size() for t in own) + (0 if self.sparse is None else self.sparse.nbytes())
 
     def to(self, device=None, dtype=None) -> HybridState:
         """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
@@ -57,6 +65,9 @@ class HybridState:
             self.S.to(device=device),
             self.z.to(device=device),
             self.seen,
+            None if self.sparse is None else self.sparse.map(
+                lambda name, t: t.to(device=device, dtype=dtype if name.endswith(("_k", "_v")) else None)
+            ),
         )
 
 

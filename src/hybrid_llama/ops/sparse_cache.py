@@ -1,0 +1,314 @@
+"""A third memory for hybrid attention: a sparse cache of the keys the linear state recalls worst.
+
+After LoLA (arXiv 2505.23666). Semantics (docs/design.md, "sparse cache"), for window w, cache size
+λ per KV head, ``sinks`` pinned first positions, and the shared-normalizer (``lolcats``) formulation:
+
+- keys in the window (t-w, t] are attended exactly, as without the cache;
+- older keys at positions < ``sinks`` are pinned: attended exactly, never folded;
+- older keys form blocks of w positions from ``sinks`` on. While a block is still filling (some of
+  its keys are inside the window) its old keys are *pending*: attended exactly. When its last key
+  leaves the window, the block closes: the candidates are the cache plus the block; the λ with the
+  highest score stay in the cache, the rest are folded into the linear state ``S, z``. Nothing is
+  dropped;
+- the output is ``(a sum_E e^(s-m) v + b phi(q) S) / (a sum_E e^(s-m) + b phi(q) z)`` over the exact
+  set E (sinks, cache, pending, window) with m its max score: the cache and the window share one
+  normalizer with the linear part.
+
+Scores (``cache_score``): ``sre``, the self-recall error ``|v - phi(k) S / (phi(k) z + eps)|`` of each
+candidate against the state before the block is folded; ``random``, a fixed hash of (position,
+KV head); ``attention``, the softmax weight each key has received from the queries so far
+(summed over the query heads that read it), as in H2O.
+
+This module holds the fast torch path: one loop over the blocks, each step attending one group of
+queries and then closing one block, with every tensor batched over (batch, KV heads). The literal
+per-token simulation that it is tested against lives in ``sparse_reference``; the recurrent step in
+``sparse_decode``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .reference import combine, mixing_weights
+
+CACHE_SCORES = ("sre", "random", "attention")
+SRE_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class SparseCacheConfig:
+    """The sparse cache's settings; ``size`` 0 and ``sinks`` 0 switch it off (the plain hybrid op)."""
+
+    size: int = 0
+    sinks: int = 0
+    score: str = "sre"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 0:
+            raise ValueError(f"sparse cache size must be an integer >= 0, got {self.size!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.score not in CACHE_SCORES:
+            raise ValueError(f"cache_score must be one of {CACHE_SCORES}, got {self.score!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.size > 0 or self.sinks > 0
+
+
+@dataclass
+class SparseState:
+    """The decode state's exact memories besides the window ring, per (batch row, KV head).
+
+    Sizes are fixed: ``sinks`` pinned slots, ``w`` pending slots (slot ``(s - sinks) % w``), ``λ``
+    cache slots kept in position order (empty slots: ``cache_pos`` -1, at the end). ``*_acc`` hold the
+    attention each key received so far (read by the ``attention`` score only).
+    """
+
+    sink_k: Tensor  # [B, Hk, n_s, D]
+    sink_v: Tensor
+    sink_valid: Tensor  # [B, n_s] bool
+    pend_k: Tensor  # [B, Hk, w, D]
+    pend_v: Tensor
+    pend_valid: Tensor  # [B, w] bool
+    pend_acc: Tensor  # [B, Hk, w] fp32
+    cache_k: Tensor  # [B, Hk, λ, D]
+    cache_v: Tensor
+    cache_valid: Tensor  # [B, Hk, λ] bool
+    cache_pos: Tensor  # [B, Hk, λ] int64, -1 = empty
+    cache_acc: Tensor  # [B, Hk, λ] fp32
+    win_acc: Tensor  # [B, Hk, w] fp32, per window-ring slot
+
+    def map(self, fn) -> SparseState:
+        """A copy with ``fn`` applied to every tensor (index_select, to, detach)."""
+        return SparseState(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self)))
+
+
+def empty_sparse_state(
+    batch: int, kv_heads: int, head_dim: int, window: int, cfg: SparseCacheConfig, *, device=None, dtype=None
+) -> SparseState:
+    def kv(n: int) -> Tensor:
+        return torch.zeros(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
+
+    lam, ns = cfg.size, cfg.sinks
+    return SparseState(
+        sink_k=kv(ns), sink_v=kv(ns), sink_valid=torch.zeros(batch, ns, dtype=torch.bool, device=device),
+        pend_k=kv(window), pend_v=kv(window),
+        pend_valid=torch.zeros(batch, window, dtype=torch.bool, device=device),
+        pend_acc=torch.zeros(batch, kv_heads, window, device=device),
+        cache_k=kv(lam), cache_v=kv(lam),
+        cache_valid=torch.zeros(batch, kv_heads, lam, dtype=torch.bool, device=device),
+        cache_pos=torch.full((batch, kv_heads, lam), -1, dtype=torch.long, device=device),
+        cache_acc=torch.zeros(batch, kv_heads, lam, device=device),
+        win_acc=torch.zeros(batch, kv_heads, window, device=device),
+    )
+
+
+def random_scores(pos: Tensor, kv_heads: int) -> Tensor:
+    """A fixed pseudo-random score in [0, 1) per (position, KV head): ``pos`` ``[B, Hk, N]`` int64.
+    Integer hashing, so the prefill and the decode step draw the same value for a key."""
+    head = torch.arange(kv_heads, device=pos.device).view(1, -1, 1)
+    h = (pos * 0x9E3779B1 + (head + 1) * 0x85EBCA77) & 0xFFFFFFFF
+    h = ((h ^ (h >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    h = h ^ (h >> 12)
+    return h.to(torch.float64).div(2.0**32).float()
+
+
+def candidate_scores(
+    rule: str, k: Tensor, v: Tensor, pos: Tensor, acc: Tensor | None, S: Tensor, z: Tensor, phi_k
+) -> Tensor:
+    """Scores ``[B, Hk, N]`` of candidates k/v ``[B, Hk, N, D]`` at positions ``pos``: higher stays."""
+    if rule == "sre":
+        fk = phi_k(k.float())  # [B, Hk, N, F]
+        recall = torch.matmul(fk, S) / (torch.matmul(fk, z.unsqueeze(-1)) + SRE_EPS)
+        return (v.float() - recall).norm(dim=-1)
+    if rule == "random":
+        return random_scores(pos, k.shape[1])
+    return acc
+
+
+def close_block(
+    rule: str,
+    cand_k: Tensor,
+    cand_v: Tensor,
+    cand_valid: Tensor,
+    cand_pos: Tensor,
+    cand_acc: Tensor | None,
+    S: Tensor,
+    z: Tensor,
+    size: int,
+    phi_k,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One eviction: keep the ``size`` best candidates (ties: the earlier position), fold the others.
+
+    Candidates ``[B, Hk, N, ...]`` come in position order with empty/padding slots invalid. Returns
+    (index of the kept candidates in position order ``[B, Hk, size]``, their validity, S', z')."""
+    with torch.no_grad():
+        score = candidate_scores(rule, cand_k, cand_v, cand_pos, cand_acc, S, z, phi_k)
+        score = score.masked_fill(~cand_valid, float("-inf"))
+        best = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :size]
+        kept_pos = cand_pos.gather(-1, best).masked_fill(~cand_valid.gather(-1, best), torch.iinfo(torch.long).max)
+        keep = best.gather(-1, kept_pos.argsort(dim=-1, stable=True))
+        kept = torch.zeros_like(cand_valid).scatter_(-1, keep, True)
+    fold = (cand_valid & ~kept).unsqueeze(-1)
+    fk = phi_k(cand_k.float()) * fold
+    S = S + torch.matmul(fk.transpose(-1, -2), cand_v.float())
+    z = z + fk.sum(dim=2)
+    return keep, cand_valid.gather(-1, keep), S, z
+
+
+def gather_slots(x: Tensor, index: Tensor) -> Tensor:
+    """``x`` ``[B, Hk, N, D]`` at ``index`` ``[B, Hk, M]`` -> ``[B, Hk, M, D]``."""
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]))
+
+
+def group_bounds(T: int, window: int, sinks: int) -> list[tuple[int, int]]:
+    """Query ranges [t0, t1) that see the same number J of closed blocks: group J ends where block J
+    closes, at t = sinks + (J + 2) w - 1 (its last key leaves the window)."""
+    bounds, t0, J = [], 0, 0
+    while t0 < T:
+        t1 = min(T, sinks + (J + 2) * window - 1)
+        if t1 > t0:
+            bounds.append((t0, t1))
+        t0, J = max(t0, t1), J + 1
+    return bounds
+
+
+def hybrid_attention_sparse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int,
+    cache: SparseCacheConfig,
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+    output_final_state: bool = False,
+    return_shares: bool = False,
+):
+    """Hybrid attention with the sparse cache (``lolcats`` formulation): q ``[B, H, T, D]``, k/v
+    ``[B, H_kv, T, D]``. Returns ``(o, final_state)`` (a ``HybridState`` with its ``sparse`` part, or
+    None), plus, with ``return_shares``, the normalizer's shares ``[B, H, T, 3]`` of (window,
+    sinks + cache + pending, linear state)."""
+    from .decode import HybridState, init_state  # (decode imports this module)
+
+    if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
+        from . import expand_kv
+
+        k, v = expand_kv(q, k, v)
+    B, H, T, D = q.shape
+    Hk, g, w, lam, ns = k.shape[1], H // k.shape[1], window, cache.size, cache.sinks
+    phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
+    real = key_padding_mask if key_padding_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
+    scale = 1.0 / math.sqrt(D)
+    a, b = mixing_weights(window_logit, linear_logit)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    F = phi_k_map(kf[:, :, :1]).shape[-1]
+    S = kf.new_zeros(B, Hk, F, D)
+    z = kf.new_zeros(B, Hk, F)
+    acc = kf.new_zeros(B, Hk, T) if cache.score == "attention" else None
+    cache_idx = torch.zeros(B, Hk, lam, dtype=torch.long, device=q.device)  # positions of the cached keys
+    cache_ok = torch.zeros(B, Hk, lam, dtype=torch.bool, device=q.device)
+    positions = torch.arange(T, device=q.device)
+    sink_pos = positions[: min(ns, T)]
+    outs, shares = [], []
+    for J, (t0, t1) in enumerate(group_bounds(T, w, ns)):
+        tq = positions[t0:t1]
+        lo = max(0, t0 - w + 1)
+        blk = positions[ns + J * w : min(T, ns + (J + 1) * w)]  # block J: pending while it fills
+        # The exact keys of this group: [window slab | sinks | cache | block J], with a mask per query.
+        keys = torch.cat([kf[:, :, lo:t1], kf[:, :, sink_pos], gather_slots(kf, cache_idx), kf[:, :, blk]], 2)
+        vals = torch.cat([vf[:, :, lo:t1], vf[:, :, sink_pos], gather_slots(vf, cache_idx), vf[:, :, blk]], 2)
+        slab = positions[lo:t1]
+        m_win = (slab[None] <= tq[:, None]) & (slab[None] > tq[:, None] - w)
+        m_sink = sink_pos[None] <= tq[:, None] - w
+        m_blk = blk[None] <= tq[:, None] - w
+        allowed = torch.cat([
+            (m_win[None] & real[:, None, lo:t1]).unsqueeze(1).expand(B, Hk, -1, -1),
+            (m_sink[None] & real[:, None, sink_pos]).unsqueeze(1).expand(B, Hk, -1, -1),
+            cache_ok.unsqueeze(2).expand(B, Hk, t1 - t0, lam),
+            (m_blk[None] & real[:, None, blk]).unsqueeze(1).expand(B, Hk, -1, -1),
+        ], dim=-1)  # [B, Hk, nq, n_keys]
+        qg = qf[:, :, t0:t1].reshape(B, Hk, g, t1 - t0, D)
+        scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hk, g, nq, n_keys]
+        scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(scores - m)
+        exact_sum = p.sum(dim=-1, keepdim=True)
+        safe_sum = torch.where(exact_sum > 0, exact_sum, torch.ones_like(exact_sum))
+        exact_avg = torch.matmul(p, vals.unsqueeze(2)) / safe_sum
+        phi_q = phi_q_map(qf[:, :, t0:t1]).reshape(B, Hk, g, t1 - t0, -1)
+        lin_num = torch.matmul(phi_q, S.unsqueeze(2))
+        lin_den = torch.matmul(phi_q, z.unsqueeze(2).unsqueeze(-1))
+        per_head = [x.reshape(B, H, t1 - t0, -1) for x in (exact_avg, exact_sum, lin_num, lin_den)]
+        outs.append(combine("lolcats", a, b, *per_head))
+        if return_shares:
+            n_win = t1 - lo
+            parts = torch.stack([p[..., :n_win].sum(-1), p[..., n_win:].sum(-1)], -1).reshape(B, H, t1 - t0, 2)
+            lin = b * per_head[3]
+            den = a * parts.sum(-1, keepdim=True) + lin
+            shares.append(torch.cat([a * parts, lin], -1) / torch.where(den > 0, den, torch.ones_like(den)))
+        if acc is not None:
+            with torch.no_grad():  # attention each key received: summed over the group's query heads
+                weight = (p / safe_sum).sum(dim=(2, 3))
+                n_slab, n_fixed = t1 - lo, t1 - lo + len(sink_pos)
+                acc.index_add_(2, slab, weight[..., :n_slab])
+                acc.scatter_add_(2, cache_idx, weight[..., n_fixed : n_fixed + lam])
+                acc.index_add_(2, blk, weight[..., n_fixed + lam :])
+        if t1 < T:
+            # Block J closes where the next group starts: the cache and the block compete, the rest folds.
+            cand_pos = torch.cat([cache_idx, blk.view(1, 1, -1).expand(B, Hk, -1)], -1)
+            cand_ok = torch.cat([cache_ok, real[:, None, blk].expand(B, Hk, -1)], -1)
+            cand_acc = acc.gather(-1, cand_pos) if acc is not None else None
+            keep, cache_ok, S, z = close_block(
+                cache.score, gather_slots(kf, cand_pos), gather_slots(vf, cand_pos), cand_ok, cand_pos, cand_acc,
+                S, z, lam, phi_k_map,
+            )
+            cache_idx = cand_pos.gather(-1, keep)
+    out = torch.cat(outs, dim=2).to(q.dtype)
+    final = None
+    if output_final_state:
+        final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
+        final = _final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc, HybridState)
+    return (out, final, torch.cat(shares, dim=2)) if return_shares else (out, final)
+
+
+def _final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc, HybridState):
+    """The decode state after T tokens: ring, sinks, pending block, cache and the folded sums."""
+    B, Hk, _, D = k.shape
+    ns = cache.sinks
+    sp = empty_sparse_state(B, Hk, D, w, cache, device=k.device, dtype=k.dtype)
+    ring_pos = torch.arange(max(T - w, 0), T, device=k.device)
+    k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
+    k_window[:, :, ring_pos % w] = k[:, :, ring_pos]
+    v_window[:, :, ring_pos % w] = v[:, :, ring_pos].to(v_window.dtype)
+    valid[:, ring_pos % w] = real[:, ring_pos]
+    old_sinks = torch.arange(min(ns, max(T - w, 0)), device=k.device)
+    sp.sink_k[:, :, old_sinks], sp.sink_v[:, :, old_sinks] = k[:, :, old_sinks], v[:, :, old_sinks]
+    sp.sink_valid[:, old_sinks] = real[:, old_sinks]
+    n_old = max(T - w - ns, 0)  # non-sink keys that left the window
+    pend = torch.arange(ns + (n_old // w) * w, ns + n_old, device=k.device)
+    slots = (pend - ns) % w
+    sp.pend_k[:, :, slots], sp.pend_v[:, :, slots] = k[:, :, pend], v[:, :, pend]
+    sp.pend_valid[:, slots] = real[:, pend]
+    sp.cache_k, sp.cache_v = gather_slots(k, cache_idx), gather_slots(v, cache_idx)
+    sp.cache_valid, sp.cache_pos = cache_ok, cache_idx.masked_fill(~cache_ok, -1)
+    if acc is not None:
+        sp.pend_acc[:, :, slots] = acc[:, :, pend]
+        sp.cache_acc = acc.gather(-1, cache_idx) * cache_ok
+        sp.win_acc[:, :, ring_pos % w] = acc[:, :, ring_pos]
+    sp = sp.map(lambda name, t: t.detach())
+    return HybridState(k_window, v_window, valid, S.detach(), z.detach(), T, sparse=sp)
+
+

@@ -1,0 +1,237 @@
+"""The sparse cache (third memory): the fast path and the decode step against an independent naive
+transcription, the reference simulation's own semantics, and the model-level cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_models import greedy, randomize_hybrid_params
+
+from hybrid_llama.layers import HybridCacheLayer
+from hybrid_llama.models import convert_to_hybrid, hybrid_cache_nbytes
+from hybrid_llama.ops import (
+    HedgehogFeatureMap,
+    SparseCacheConfig,
+    hybrid_attention,
+    hybrid_attention_step,
+    init_sparse_state,
+)
+from hybrid_llama.ops.sparse_cache import random_scores
+from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
+from hybrid_llama.weights import load_model
+
+
+def make(B=2, H=4, Hk=2, T=70, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    return q, k, v, torch.randn(H, generator=g), torch.randn(H, generator=g)
+
+
+def naive_sparse(q, k, v, wl, ll, *, window, size, sinks, score, mask=None):
+    """A second, independent transcription for elu1: per (row, query head), the exact set and the
+    linear sums rebuilt from scratch for every query from the eviction history, which is replayed on
+    plain Python lists of positions."""
+    B, H, T, D = q.shape
+    Hk = k.shape[1]
+    phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    real = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    out = torch.zeros(B, H, T, D)
+    for b in range(B):
+        for hk in range(Hk):
+            # Replay the evictions: (time they happen, cache after, folded positions).
+            cache, folded, events, acc = [], [], [], [0.0] * T
+            blocks_closed = 0
+            for t in range(T):
+                n_old = t - window + 1 - sinks  # non-sink keys that have left the window by step t
+                while n_old >= (blocks_closed + 1) * window:
+                    block = list(range(sinks + blocks_closed * window, sinks + (blocks_closed + 1) * window))
+                    cand = [p for p in cache + block if real[b, p]]
+                    S = sum((torch.outer(phi(k[b, hk, p]), v[b, hk, p]) for p in folded), torch.zeros(D, D))
+                    z = sum((phi(k[b, hk, p]) for p in folded), torch.zeros(D))
+                    if score == "sre":
+                        val = {p: float((v[b, hk, p] - phi(k[b, hk, p]) @ S / (phi(k[b, hk, p]) @ z + 1e-6)).norm())
+                               for p in cand}
+                    elif score == "random":
+                        r = random_scores(torch.arange(T).view(1, 1, T).expand(1, Hk, T), Hk)[0, hk]
+                        val = {p: float(r[p]) for p in cand}
+                    else:
+                        val = {p: acc[p] for p in cand}
+                    cache = sorted(sorted(cand, key=lambda p: (-val[p], p))[:size])  # noqa: B023
+                    folded += [p for p in cand if p not in cache]
+                    blocks_closed += 1
+                events.append((list(cache), list(folded)))
+                pending_start = sinks + blocks_closed * window
+                exact = [p for p in range(t + 1) if real[b, p] and (
+                    p > t - window or p < sinks or p in cache or p >= pending_start)]
+                S = sum((torch.outer(phi(k[b, hk, p]), v[b, hk, p]) for p in folded), torch.zeros(D, D))
+                z = sum((phi(k[b, hk, p]) for p in folded), torch.zeros(D))
+                for h in range(hk * H // Hk, (hk + 1) * H // Hk):
+                    aw, bw = torch.sigmoid(wl[h]), torch.sigmoid(ll[h])
+                    s = torch.tensor([float(q[b, h, t] @ k[b, hk, p]) / math.sqrt(D) for p in exact])
+                    e = torch.exp(s - s.max()) if exact else s
+                    num = aw * sum((e[i] * v[b, hk, p] for i, p in enumerate(exact)), torch.zeros(D))
+                    num = num + bw * phi(q[b, h, t]) @ S
+                    den = aw * e.sum() + bw * phi(q[b, h, t]) @ z
+                    out[b, h, t] = num / den if den > 0 else 0
+                    for i, p in enumerate(exact):
+                        acc[p] += float(e[i] / e.sum())
+    return out
+
+
+CASES = [  # T, window, size, sinks, score, padded
+    (70, 8, 6, 2, "sre", False),
+    (53, 8, 3, 0, "random", True),
+    (61, 8, 5, 3, "attention", False),
+    (45, 8, 0, 3, "sre", False),
+    (40, 16, 4, 1, "sre", True),
+]
+
+
+def padding(B, T):
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[-1, 20:23] = False
+    return mask
+
+
+@pytest.mark.parametrize("T,w,size,sinks,score,padded", CASES)
+def test_fast_path_and_reference_match_naive(T, w, size, sinks, score, padded):
+    q, k, v, wl, ll = make(T=T)
+    mask = padding(2, T) if padded else None
+    kw = dict(window=w, formulation="lolcats", key_padding_mask=mask, sparse_cache=size, sinks=sinks,
+              cache_score=score)
+    want = naive_sparse(q, k, v, wl, ll, window=w, size=size, sinks=sinks, score=score, mask=mask)
+    fast, state = hybrid_attention(q, k, v, wl, ll, backend="chunked", output_final_state=True, **kw)
+    ref, _ = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+    torch.testing.assert_close(fast, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
+    assert state.sparse is not None and state.seen == T
+
+
+@pytest.mark.parametrize("T,w,size,sinks,score,padded", CASES)
+@pytest.mark.parametrize("feature", ["elu1", "hedgehog"])
+def test_decode_equals_parallel_and_continues_from_prefill(T, w, size, sinks, score, padded, feature):
+    q, k, v, wl, ll = make(T=T)
+    mask = padding(2, T) if padded else None
+    fmap = (HedgehogFeatureMap(4, 8), HedgehogFeatureMap(2, 8)) if feature == "hedgehog" else "elu1"
+    kw = dict(formulation="lolcats", feature_map=fmap, sparse_cache=size, sinks=sinks, cache_score=score)
+    with torch.no_grad():
+        full, _ = hybrid_attention(q, k, v, wl, ll, window=w, key_padding_mask=mask, **kw)
+        state = init_sparse_state(2, 2, 8, w, SparseCacheConfig(size, sinks, score), feature_dim=16 if feature ==
+                                  "hedgehog" else 8)
+        steps = []
+        for t in range(T):
+            o, state = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, wl, ll,
+                                             key_valid=None if mask is None else mask[:, t], **kw)
+            steps.append(o)
+        torch.testing.assert_close(torch.cat(steps, 2), full, atol=2e-5, rtol=1e-4)
+        cut = T - 13  # prefill cut mid-block, then decode the rest
+        _, pre = hybrid_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], wl, ll, window=w,
+                                  key_padding_mask=None if mask is None else mask[:, :cut], output_final_state=True,
+                                  **kw)
+        stepped = _state_after(q, k, v, wl, ll, w, cut, mask, kw)
+        assert torch.equal(pre.sparse.cache_pos, stepped.sparse.cache_pos)
+        rest = []
+        for t in range(cut, T):
+            o, pre = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], pre, wl, ll,
+                                           key_valid=None if mask is None else mask[:, t], **kw)
+            rest.append(o)
+        torch.testing.assert_close(torch.cat(rest, 2), full[:, :, cut:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(pre.S, state.S, atol=1e-4, rtol=1e-4)
+
+
+def _state_after(q, k, v, wl, ll, w, n, mask, kw):
+    """The decode state after n steps from an empty one."""
+    size, sinks, score = kw["sparse_cache"], kw["sinks"], kw["cache_score"]
+    fd = 16 if isinstance(kw["feature_map"], tuple) else 8
+    state = init_sparse_state(2, 2, 8, w, SparseCacheConfig(size, sinks, score), feature_dim=fd)
+    for t in range(n):
+        _, state = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, wl, ll,
+                                         key_valid=None if mask is None else mask[:, t], **kw)
+    return state
+
+
+def test_off_is_bit_identical_to_the_plain_op():
+    q, k, v, wl, ll = make(T=90)
+    plain, s1 = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True)
+    off, s2 = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True,
+                               sparse_cache=0, sinks=0, cache_score="random")
+    assert torch.equal(plain, off) and s2.sparse is None and torch.equal(s1.S, s2.S)
+
+
+def test_reference_history_is_the_cache_the_state_holds():
+    q, k, v, wl, ll = make(B=1, T=75)
+    cfg = SparseCacheConfig(5, 2, "sre")
+    _, _, history = hybrid_attention_sparse_reference(q, k, v, wl, ll, window=8, cache=cfg)
+    _, state = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True,
+                                sparse_cache=5, sinks=2)
+    # history[t] is the cache when query t attends; the state after T tokens holds the last one.
+    for hk in range(2):
+        got = [p for p in state.sparse.cache_pos[0, hk].tolist() if p >= 0]
+        assert got == history[0][hk][-1] and len(got) == 5
+
+
+def test_state_memory_is_fixed():
+    q, k, v, wl, ll = make(B=1, T=300)
+    sizes = {hybrid_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], wl, ll, window=8, formulation="lolcats",
+                              output_final_state=True, sparse_cache=6, sinks=2)[1].nbytes() for n in (40, 150, 300)}
+    assert len(sizes) == 1
+
+
+def test_gradients_match_reference():
+    q, k, v, wl, ll = make(B=1, T=45)
+    grads = []
+    for backend in ("chunked", "reference"):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, wl, ll)]
+        out, _ = hybrid_attention(*xs, window=8, formulation="lolcats", backend=backend, sparse_cache=4, sinks=2)
+        out.square().sum().backward()
+        grads.append([x.grad for x in xs])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_shares_sum_to_one():
+    from hybrid_llama.ops.sparse_cache import SparseCacheConfig as C
+    from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
+
+    q, k, v, wl, ll = make(T=80)
+    _, _, shares = hybrid_attention_sparse(q, k, v, wl, ll, window=8, cache=C(4, 2, "sre"), return_shares=True)
+    torch.testing.assert_close(shares.sum(-1), torch.ones(2, 4, 80))
+    assert (shares[:, :, 40:, 1] > 0).all()  # past the first block the cache holds weight
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(sparse_cache=-1), "integer >= 0"),
+    (dict(sparse_cache=2.5), "integer >= 0"),
+    (dict(sparse_cache=4, formulation="hybrid"), "lolcats"),
+    (dict(sinks=2, formulation="window"), "lolcats"),
+    (dict(sparse_cache=4, cache_score="oracle"), "cache_score"),
+])
+def test_bad_settings_are_named(bad, match):
+    q, k, v, wl, ll = make(T=20)
+    kw = dict(window=8, formulation="lolcats") | bad
+    with pytest.raises(ValueError, match=match):
+        hybrid_attention(q, k, v, wl, ll, **kw)
+
+
+def test_model_generates_with_sparse_cache_like_without_cache(lively_dir):
+    model, tok = load_model(lively_dir, dtype=torch.float32)
+    convert_to_hybrid(model, [0, 2], window=4, formulation="lolcats", feature_map="hedgehog", sparse_cache=3, sinks=1)
+    randomize_hybrid_params(model)
+    model.eval()
+    enc = tok(["a sparse cache keeps a few keys exactly"], return_tensors="pt")
+    n = 30
+    with torch.no_grad():
+        cached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                return_dict_in_generate=True)
+    assert torch.equal(cached.sequences, greedy(model, enc, n, use_cache=False))
+    layers = cached.past_key_values.layers
+    assert isinstance(layers[0], HybridCacheLayer) and layers[0].state.sparse is not None
+    with torch.no_grad():
+        shorter = model.generate(**enc, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                 return_dict_in_generate=True)
+    # the hybrid layers' memory does not grow with the generated length
+    assert layers[0].nbytes() == shorter.past_key_values.layers[0].nbytes()
+    assert hybrid_cache_nbytes(cached.past_key_values) > hybrid_cache_nbytes(shorter.past_key_values)
