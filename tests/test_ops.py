@@ -490,3 +490,17 @@ def test_window_share_splits_the_output(formulation, fmap):
     torch.testing.assert_close(solved[:, :, has_lin], share[:, :, has_lin, None].expand_as(solved[:, :, has_lin]),
                                atol=1e-4, rtol=1e-3)
     assert torch.equal(share[:, :, ~has_lin], torch.ones_like(share[:, :, ~has_lin]))  # no old keys yet
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+def test_auto_inside_the_window_is_softmax_attention(formulation):
+    """No key has left the window: 'auto' runs SDPA, which must equal the reference and keep the state."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 40, 16, generator=g) for h in (4, 2, 2))
+    wl, ll = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    got, state = hybrid_attention(q, k, v, wl, ll, window=40, formulation=formulation, backend="auto",
+                                  output_final_state=True)
+    want, ref_state = hybrid_attention(q, k, v, wl, ll, window=40, formulation=formulation, backend="reference",
+                                       output_final_state=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state.k_window, ref_state.k_window) and not state.S.any()

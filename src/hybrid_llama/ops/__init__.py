@@ -22,10 +22,11 @@ import importlib
 import logging
 from collections.abc import Callable
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from .decode import HybridState, hybrid_attention_step_torch, init_state, prefill_state
-from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1
+from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .reference import check_inputs, hybrid_attention_reference
 from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse
 from .sparse_decode import hybrid_attention_step_sparse, init_sparse_state
@@ -134,6 +135,10 @@ def hybrid_attention(
         return hybrid_attention_seed_naive(
             q, k, v, window_logit, linear_logit, window=window, output_final_state=output_final_state
         )
+    if backend == "auto" and key_padding_mask is None and q.shape[2] <= window:
+        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+        resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
+        return _softmax_only(q, k, v, window=window, feature_map=feature_map, output_final_state=output_final_state)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         fn = _triton_or_fallback("triton_prefill", "hybrid_attention_triton", backend, "")
         if fn is not None:
@@ -148,6 +153,16 @@ def hybrid_attention(
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
     # per-head callable feature map).
     return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+
+
+def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap,
+                  output_final_state: bool) -> tuple[Tensor, HybridState | None]:
+    """T <= window and no padding: no key has left the window, so every formulation is causal
+    softmax attention (the linear part and the mixing gates cancel out): torch's SDPA computes it."""
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+    state = prefill_state(k, v, window=window, feature_map=feature_map) if output_final_state else None
+    return o, state
 
 
 def sparse_cache_config(size: int, sinks: int, score: str, formulation: str) -> SparseCacheConfig:
