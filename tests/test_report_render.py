@@ -155,8 +155,7 @@ def make_results(root: Path) -> dict:
             quality.append(f)
             tables[kind][variant] = f
 
-    from hybrid_llama.eval.components import read_components_csv
-    from hybrid_llama.eval.quality import read_passkey_csv, read_perplexity_csv
+    from hybrid_llama.eval.tables import read_components_csv, read_passkey_csv, read_perplexity_csv
 
     def stem(name: str) -> Path:
         return root / path(name, model=M, device=D).removesuffix(".png")

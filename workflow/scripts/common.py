@@ -45,3 +45,27 @@ def stage_model(snakemake, *, device: str, dtype=None):
         # the requested device (wildcard or config, label included); results also record the real one
         labels={"model": w.model, "variant": w.variant, "device": getattr(w, "device", None)},
     )
+
+
+# ---------------------------------------------------------------- quality jobs
+
+
+def heldout(snakemake, n_docs: int | None = None) -> list[str]:
+    """The held-out transfer-corpus documents of the rule's `source`, none of the corpora training packed."""
+    from hybrid_llama.eval.heldout import heldout_texts
+
+    return heldout_texts(dict(snakemake.params.source), n_docs=n_docs, exclude_manifest=list(snakemake.input.manifests))
+
+
+def quality_table(snakemake, kind: str, measure) -> list[dict]:
+    """The body of the perplexity, passkey and components jobs: load the stage the wildcards name on
+    their device in the quality dtype, rows = measure(model, tokenizer, cfg, stage) with cfg the rule's
+    params[kind], write them as the kind's CSV to output[0] and echo them to the log."""
+    from hybrid_llama.eval.tables import QUALITY_WRITERS
+
+    w = snakemake.wildcards
+    model, tokenizer, _, _ = stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
+    rows = measure(model, tokenizer, getattr(snakemake.params, kind), w.stage)
+    QUALITY_WRITERS[kind](rows, snakemake.output[0])
+    print(rows)
+    return rows

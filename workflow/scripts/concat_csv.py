@@ -6,6 +6,8 @@ from common import start
 
 start(snakemake, torch_threads=False)
 
+from hybrid_llama.files import atomic_path
+
 header, rows = None, []
 for path in snakemake.input:
     with open(path, newline="") as f:
@@ -15,7 +17,7 @@ for path in snakemake.input:
             raise ValueError(f"{path}: header {head} differs from {header}")
         header = head
         rows.extend(reader)
-with open(snakemake.output[0], "w", newline="") as f:
+with atomic_path(snakemake.output[0]) as tmp, open(tmp, "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(header)
     writer.writerows(rows)

@@ -9,6 +9,7 @@ start(snakemake)
 
 import torch
 
+from hybrid_llama.files import atomic_write
 from hybrid_llama.runtime import device_name
 
 cfg = snakemake.params.generations
@@ -36,6 +37,5 @@ for prompt in cfg["prompts"]:
     )
 result = {**meta, "device": cfg["device"], "torch_device": device, "device_name": device_name(device),
           "samples": samples}
-with open(snakemake.output[0], "w") as f:
-    json.dump(result, f, indent=1)
+atomic_write(snakemake.output[0], json.dumps(result, indent=1))
 print(json.dumps(samples, indent=1))

@@ -1,25 +1,23 @@
-"""NLL vs context length on held-out transfer-corpus text (hybrid_llama.eval.quality)."""
+"""NLL vs context length on held-out transfer-corpus text (hybrid_llama.eval.perplexity)."""
 
-from common import stage_model, start
+from common import heldout, quality_table, start
 
 start(snakemake)
 
-from hybrid_llama.eval.quality import heldout_texts, perplexity_vs_context, write_perplexity_csv
+from hybrid_llama.eval.perplexity import perplexity_vs_context
 
-w, cfg = snakemake.wildcards, snakemake.params.perplexity
-model, tokenizer, _, device = stage_model(snakemake, device=w.device, dtype=snakemake.params.dtype)
-texts = heldout_texts(
-    dict(snakemake.params.source), n_docs=cfg["n_docs"], exclude_manifest=list(snakemake.input.manifests)
-)
-rows = perplexity_vs_context(
-    model,
-    tokenizer,
-    texts,
-    context_lens=cfg["context_lens"],
-    tail=cfg["tail"],
-    max_windows=cfg["max_windows"],
-    batch_size=cfg["batch_size"],
-    stage=w.stage,
-)
-write_perplexity_csv(rows, snakemake.output[0])
-print(rows)
+
+def measure(model, tokenizer, cfg, stage):
+    return perplexity_vs_context(
+        model,
+        tokenizer,
+        heldout(snakemake, n_docs=cfg["n_docs"]),
+        context_lens=cfg["context_lens"],
+        tail=cfg["tail"],
+        max_windows=cfg["max_windows"],
+        batch_size=cfg["batch_size"],
+        stage=stage,
+    )
+
+
+quality_table(snakemake, "perplexity", measure)

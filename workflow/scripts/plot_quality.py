@@ -5,8 +5,7 @@ from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.eval.components import read_components_csv
-from hybrid_llama.eval.quality import read_passkey_csv, read_perplexity_csv
+from hybrid_llama.eval.tables import read_components_csv, read_passkey_csv, read_perplexity_csv
 from hybrid_llama.pipeline import parse_result_path
 from hybrid_llama.report.quality_plots import plot_components, plot_nll, plot_passkey
 

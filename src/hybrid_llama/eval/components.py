@@ -11,14 +11,13 @@ perplexity, so the report shows the share per layer at a few context lengths.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 
-from hybrid_llama.eval.quality import max_positions, perplexity_windows, read_rows, token_stream, write_rows
-
-COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries")
+from hybrid_llama.eval.heldout import token_stream
+from hybrid_llama.eval.perplexity import perplexity_windows
+from hybrid_llama.eval.placement import eval_mode, max_positions
 
 
 @torch.no_grad()
@@ -33,7 +32,7 @@ def window_shares(
     stage: str,
 ) -> list[dict]:
     """Mean window share per hybrid layer over the last ``tail`` queries of held-out windows of each
-    context length (the windows of ``perplexity_vs_context``). Rows: COMPONENT_COLUMNS."""
+    context length (the windows of ``perplexity_vs_context``). Rows: ``tables.COMPONENT_COLUMNS``."""
     from hybrid_llama.layers import HybridLlamaAttention
     from hybrid_llama.ops.reference import window_share
 
@@ -64,30 +63,18 @@ def window_shares(
         return pre
 
     handles = [m.register_forward_pre_hook(hook(m), with_kwargs=True) for m in layers.values()]
-    was_training = model.training
-    model.eval()
     try:
-        for L, spans in windows.items():
-            length["L"] = L
-            for a, b in spans:
-                model(input_ids=stream[a:b][None].to(dev), logits_to_keep=1)
+        with eval_mode(model):
+            for L, spans in windows.items():
+                length["L"] = L
+                for a, b in spans:
+                    model(input_ids=stream[a:b][None].to(dev), logits_to_keep=1)
     finally:
         for h in handles:
             h.remove()
-        model.train(was_training)
     rows = []
     for (layer, L), (total, n) in sorted(sums.items()):
         share = total / n if n else float("nan")
         rows.append({"stage": stage, "layer": layer, "context_len": L, "window_share": share,
                      "linear_share": 1.0 - share, "n_queries": n})
     return rows
-
-
-def write_components_csv(rows: Iterable[dict], path: str | Path) -> Path:
-    """components.csv: stage,layer,context_len,window_share,linear_share,n_queries"""
-    return write_rows(rows, path, COMPONENT_COLUMNS)
-
-
-def read_components_csv(path: str | Path) -> list[dict]:
-    return read_rows(path, {"layer": int, "context_len": int, "window_share": float, "linear_share": float,
-                            "n_queries": int})

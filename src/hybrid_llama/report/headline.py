@@ -15,7 +15,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hybrid_llama.pipeline import SHARED_STAGES, STAGE_LABELS, Pipeline
+from hybrid_llama.names import SHARED_STAGES, STAGE_LABELS
+from hybrid_llama.pipeline import Pipeline
+from hybrid_llama.report.formatting import byte_size, plus_minus
 from hybrid_llama.report.results import (
     Results,
     longest_base_length,
@@ -48,16 +50,6 @@ class Cell:
     @property
     def measured(self) -> bool:
         return self.text != NOT_MEASURED
-
-
-def plus_minus(x: float, se: float, digits: int = 3) -> str:
-    """'+0.41 ± 0.03': signed, to the stderr's first significant digit (two if it starts with 1);
-    ``digits`` decimals when the stderr is zero or unknown (NaN: no '±' part)."""
-    if not math.isnan(se) and se > 0:
-        digits = -math.floor(math.log10(se))
-        digits = min(4, max(1, digits + (se * 10**digits < 2)))
-    x = 0.0 if round(x, digits) == 0 else x  # no "-0.000"
-    return f"{x:+.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
 
 
 def missing(href: str, why: str = "") -> Cell:
@@ -106,10 +98,6 @@ def _ratio(x: float, base: float) -> str:
     return f"{x / base:.2f}×" if x / base < 10 else f"{x / base:.1f}×"
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2**20:,.2f} MiB" if x < 2**30 else f"{x / 2**30:,.2f} GiB"
-
-
 def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_speed: str,
                  href_cache: str) -> list[Cell]:
     """Prefill tokens/s, decode tokens/s and cache bytes of ``slot`` relative to base at ``length``.
@@ -152,9 +140,9 @@ def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_sp
     if math.isnan(cache) or math.isnan(base_cache):
         cells.append(missing(href_cache, f"no cache size at {length} tokens"))
     elif slot == "base":
-        cells.append(Cell(_mib(cache), href_cache, "KV cache after prefill", value=cache))
+        cells.append(Cell(byte_size(cache), href_cache, "KV cache after prefill", value=cache))
     else:
-        cells.append(Cell(_ratio(cache, base_cache), href_cache, f"{_mib(cache)} vs base {_mib(base_cache)}",
+        cells.append(Cell(_ratio(cache, base_cache), href_cache, f"{byte_size(cache)} vs base {byte_size(base_cache)}",
                           css="better" if cache < base_cache else "worse", value=cache / base_cache))
     return cells
 

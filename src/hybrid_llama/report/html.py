@@ -11,7 +11,6 @@ missing shows as "not measured" and in a list at the top.
 from __future__ import annotations
 
 import base64
-import csv
 import json
 import math
 import platform
@@ -26,8 +25,12 @@ from typing import Any
 import yaml
 
 from hybrid_llama.eval.mmlu import CHANCE
-from hybrid_llama.pipeline import SHARED_STAGES, STAGES, Pipeline, parse_result_path
-from hybrid_llama.report.headline import anchor, headlines, plus_minus
+from hybrid_llama.eval.tables import read_rows
+from hybrid_llama.files import atomic_write
+from hybrid_llama.names import SHARED_STAGES, STAGES
+from hybrid_llama.pipeline import Pipeline, parse_result_path
+from hybrid_llama.report.formatting import byte_size, plus_minus
+from hybrid_llama.report.headline import anchor, headlines
 from hybrid_llama.report.quality_plots import stage_label
 from hybrid_llama.report.results import (
     Results,
@@ -51,11 +54,6 @@ def _read_json(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _read_csv(path, delimiter: str = ",") -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f, delimiter=delimiter))
-
-
 def _fmt(x: Any, spec: str = ".3f") -> str:
     v = num(x)
     return "–" if math.isnan(v) else format(v, spec)
@@ -67,11 +65,6 @@ def _pct(x: Any, se: Any = None) -> str:
         return "–"
     s = f"{100 * v:.1f}"
     return s + (f" ± {100 * num(se):.1f}" if se is not None and not math.isnan(num(se)) else "")
-
-
-def _mib(x: Any) -> str:
-    v = num(x)
-    return "–" if math.isnan(v) else f"{v / 2**20:,.1f}"
 
 
 def _nice(x: Any) -> str:
@@ -176,7 +169,7 @@ def throughput_tables(rows: list[dict]) -> dict:
             r = by.get((v, "prefill", L))
             ok = r is not None and r["status"] == "ok"
             status = "" if r is None else r["status"]
-            cells.append(f"{_mib(r['peak_mem_bytes'])} / {_mib(r['cache_bytes'])}" if ok else status)
+            cells.append(f"{byte_size(r['peak_mem_bytes'])} / {byte_size(r['cache_bytes'])}" if ok else status)
         memory.append({"seq_len": L, "cells": cells})
     return {"variants": variants, "phases": phases, "memory": memory}
 
@@ -264,7 +257,7 @@ def benchmark_rows(directory) -> list[dict]:
     directory = Path(directory)
     rows = []
     for path in sorted(directory.rglob("*.tsv")) if directory.is_dir() else []:
-        data = _read_csv(path, delimiter="\t")
+        data = read_rows(path, {}, delimiter="\t")
         if data:
             rows.append({"job": str(path.relative_to(directory).with_suffix("")),
                          "s": num(data[-1].get("s")), "max_rss_mb": num(data[-1].get("max_rss"))})
@@ -442,7 +435,4 @@ def write_report(out_path: str | Path, **inputs: Any) -> Path:
     """Render the report from the workflow's result files (see build_context) to out_path."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_text(render(build_context(**inputs)), encoding="utf-8")
-    tmp.replace(out_path)
-    return out_path
+    return atomic_write(out_path, render(build_context(**inputs)))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from hybrid_llama.pipeline import STAGE_LABELS, STAGES
+from hybrid_llama.names import STAGE_LABELS, STAGES
 from hybrid_llama.report.plots import log2_axis, save_figure
 from hybrid_llama.report.results import passkey_at, stage_rows
 

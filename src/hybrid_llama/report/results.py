@@ -17,15 +17,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.eval.components import read_components_csv
-from hybrid_llama.eval.quality import (
-    paired_difference,
-    paired_nll_difference,
-    read_passkey_csv,
-    read_perplexity_csv,
-    read_rows,
-)
-from hybrid_llama.pipeline import SHARED_STAGES, STAGES, parse_result_path
+from hybrid_llama.eval.tables import QUALITY_READERS, paired_difference, paired_nll_difference, read_rows
+from hybrid_llama.names import SHARED_STAGES, STAGES
+from hybrid_llama.pipeline import parse_result_path
 
 THROUGHPUT_TYPES = {"seq_len": int, "tokens_per_s": float, "cache_bytes": float, "peak_mem_bytes": float}
 
@@ -69,15 +63,14 @@ class Results:
 
     @classmethod
     def load(cls, files: Iterable[str | Path]) -> Results:
-        readers = {"perplexity": read_perplexity_csv, "passkey": read_passkey_csv, "components": read_components_csv}
         out = cls()
         for file in map(Path, files):
             name, w = parse_result_path(file, ["quality", "throughput", "mmlu"])
             if not file.is_file():
                 out.missing.append(file.as_posix())
                 continue
-            if name == "quality" and w["kind"] in readers:
-                getattr(out, w["kind"])[w["model"], w["variant"], w["device"]] = readers[w["kind"]](file)
+            if name == "quality" and w["kind"] in QUALITY_READERS:
+                getattr(out, w["kind"])[w["model"], w["variant"], w["device"]] = QUALITY_READERS[w["kind"]](file)
             elif name == "throughput":
                 out.throughput[w["model"], w["device"]] = _throughput_rows(file)
             elif name == "mmlu":

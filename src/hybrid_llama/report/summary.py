@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from hybrid_llama.eval.mmlu import CHANCE
-from hybrid_llama.report.headline import Headline, Row, plus_minus
+from hybrid_llama.report.formatting import plus_minus
+from hybrid_llama.report.headline import Headline, Row
 from hybrid_llama.report.results import Results, crossover, nll_delta, speed_ratios
 
 MAX_SENTENCES = 8

@@ -1,0 +1,102 @@
+"""Perplexity vs context: token NLL on held-out text as a function of context length.
+
+Every context length above `tail` scores the *same* target tokens (the windows end at the same stream
+positions, only their start moves back), so the curve shows how much each model gains from longer
+context and nothing else. The rows go to ``perplexity.csv`` (``hybrid_llama.eval.tables``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hybrid_llama.eval.heldout import token_stream
+from hybrid_llama.eval.placement import eval_mode, max_positions, place_model
+
+
+def window_ends(n_stream: int, longest: int, tail: int, max_windows: int | None) -> list[int]:
+    """End positions (exclusive) shared by all context lengths; scored tails never overlap.
+
+    Candidates are longest, longest+tail, ... <= n_stream; `max_windows` of them are taken evenly
+    spread over the stream so a capped run still samples the whole held-out slice.
+    """
+    if n_stream < longest:
+        return []
+    candidates = list(range(longest, n_stream + 1, tail))
+    if max_windows is None or max_windows >= len(candidates):
+        return candidates
+    if max_windows <= 1:
+        return candidates[:max_windows]
+    step = (len(candidates) - 1) / (max_windows - 1)
+    return [candidates[round(i * step)] for i in range(max_windows)]
+
+
+def perplexity_windows(
+    n_stream: int, context_lens: Sequence[int], *, tail: int = 64, max_windows: int | None = 32,
+    max_len: int | None = None,
+) -> dict[int, list[tuple[int, int]]]:
+    """{L: [(start, end), ...]} stream slices of exactly L tokens scored by perplexity_vs_context.
+
+    Lengths above `max_len` (the model's positions) or the stream are dropped. All lengths share the
+    end positions chosen for the longest one, so they score the same target tokens.
+    """
+    limit = min(max_len or n_stream, n_stream)
+    lens = sorted({int(L) for L in context_lens if 2 <= int(L) <= limit})
+    if not lens:
+        return {}
+    ends = window_ends(n_stream, lens[-1], tail, max_windows)
+    return {L: [(e - L, e) for e in ends] for L in lens}
+
+
+@torch.no_grad()
+def window_nll(model, windows: torch.Tensor, tail: int) -> torch.Tensor:
+    """Per-token NLL [B, tail] of the last `tail` tokens of each window [B, L] (fp32)."""
+    logits = model(input_ids=windows, logits_to_keep=tail + 1).logits[:, :-1].float()
+    targets = windows[:, -tail:]
+    logp = torch.log_softmax(logits, dim=-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def perplexity_vs_context(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    context_lens: Sequence[int],
+    tail: int = 64,
+    device=None,
+    dtype=None,
+    stage: str,
+    max_windows: int | None = 32,
+    batch_size: int = 1,
+) -> list[dict]:
+    """Mean NLL over the last `tail` tokens of windows of exactly L tokens, for each L.
+
+    The held-out `texts` are tokenized and joined with EOS (token_stream); windows come from
+    perplexity_windows (at most `max_windows` per length, the same targets at every length).
+    Lengths above the model's max_position_embeddings or the stream are skipped. At L <= tail only
+    the last L-1 tokens can be scored (a window's first token has no context); n_tokens counts
+    the scored tokens. The model is moved only if device/dtype are given.
+    Rows: {stage, context_len, nll, ppl, n_tokens, window_nlls (each window's mean NLL)}.
+    """
+    dev = place_model(model, device, dtype)
+    stream = token_stream(tokenizer, texts)
+    windows = perplexity_windows(len(stream), context_lens, tail=tail, max_windows=max_windows,
+                                 max_len=max_positions(model))
+    ids = torch.tensor(stream, dtype=torch.long)
+    rows = []
+    with eval_mode(model):
+        for L, spans in windows.items():
+            t = min(tail, L - 1)
+            per_window: list[float] = []
+            for i in range(0, len(spans), batch_size):
+                batch = torch.stack([ids[a:b] for a, b in spans[i : i + batch_size]]).to(dev)
+                per_window += window_nll(model, batch, t).double().mean(dim=1).tolist()
+            mean = sum(per_window) / len(per_window)  # every window scores t tokens
+            rows.append({"stage": stage, "context_len": L, "nll": mean, "ppl": math.exp(mean),
+                         "n_tokens": t * len(per_window),
+                         # windows are the independent units of a paired comparison (tables.paired_nll_difference)
+                         "window_nlls": per_window})
+    return rows

@@ -1,0 +1,173 @@
+"""The evaluations' result tables and the statistics read off them, shared by every eval and the report.
+
+- CSV: ``write_rows`` / ``read_rows`` and, per kind of quality table, its columns, writer and reader
+  (``perplexity.csv``, ``passkey.csv``, ``components.csv``).
+- Paired statistics: ``paired_difference`` (MMLU accuracy of two results over the same questions) and
+  ``paired_nll_difference`` (NLL of two stages over the same windows). Two models scored on the same
+  items make correlated errors, so the paired standard error is the honest (and usually smaller) one.
+
+No torch here: the report reads these tables without it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hybrid_llama.files import atomic_path
+
+PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls")
+PASSKEY_COLUMNS = ("stage", "context_len", "depth", "accuracy", "n")
+COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries")
+
+
+# --------------------------------------------------------------------------- CSV
+
+
+def write_rows(rows: Iterable[dict], path: str | Path, columns: Sequence[str]) -> Path:
+    """A CSV of ``rows`` with exactly ``columns`` (extra keys are dropped), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, tmp.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for row in rows:
+            # lists (a perplexity row's per-window NLLs) become one space-separated cell
+            w.writerow(
+                {c: " ".join(f"{x:.6g}" for x in row[c]) if isinstance(row[c], list) else row[c] for c in columns}
+            )
+    return path
+
+
+def read_rows(path: str | Path, types: dict[str, Callable[[str], Any]], *, delimiter: str = ",") -> list[dict]:
+    """The rows of a CSV (or, with ``delimiter="\\t"``, TSV), each column converted by ``types`` (default str)."""
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        return [{k: types.get(k, str)(v) for k, v in row.items()} for row in csv.DictReader(f, delimiter=delimiter)]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split()]
+
+
+def write_perplexity_csv(rows: Iterable[dict], path: str | Path) -> Path:
+    """perplexity.csv: stage,context_len,nll,ppl,n_tokens,window_nlls"""
+    return write_rows(rows, path, PERPLEXITY_COLUMNS)
+
+
+def read_perplexity_csv(path: str | Path) -> list[dict]:
+    return read_rows(path, {"context_len": int, "nll": float, "ppl": float, "n_tokens": int, "window_nlls": _floats})
+
+
+def write_passkey_csv(rows: Iterable[dict], path: str | Path) -> Path:
+    """passkey.csv: stage,context_len,depth,accuracy,n"""
+    return write_rows(rows, path, PASSKEY_COLUMNS)
+
+
+def read_passkey_csv(path: str | Path) -> list[dict]:
+    return read_rows(path, {"context_len": int, "depth": float, "accuracy": float, "n": int})
+
+
+def write_components_csv(rows: Iterable[dict], path: str | Path) -> Path:
+    """components.csv: stage,layer,context_len,window_share,linear_share,n_queries"""
+    return write_rows(rows, path, COMPONENT_COLUMNS)
+
+
+def read_components_csv(path: str | Path) -> list[dict]:
+    return read_rows(path, {"layer": int, "context_len": int, "window_share": float, "linear_share": float,
+                            "n_queries": int})
+
+
+# the quality tables by kind (the workflow's {kind} wildcard)
+QUALITY_WRITERS = {"perplexity": write_perplexity_csv, "passkey": write_passkey_csv,
+                   "components": write_components_csv}
+QUALITY_READERS = {"perplexity": read_perplexity_csv, "passkey": read_passkey_csv,
+                   "components": read_components_csv}
+
+
+# --------------------------------------------------------------------------- paired statistics
+
+
+def mean_sd(xs: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (NaN for a single value)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else float("nan")
+    return mean, math.sqrt(var)
+
+
+def _per_question(result: dict, metric: str) -> dict[tuple[str, Any], float]:
+    """{(subject, doc_id): 0/1} from an eval/mmlu.py result JSON (its `questions` list).
+
+    acc: pred == gold; acc_norm (cloze): pred_norm == gold.
+    """
+    if "questions" not in result:
+        raise KeyError("MMLU result has no per-question 'questions' list (eval/mmlu.py schema hybrid_llama.mmlu/1)")
+    field = {"acc": "pred", "acc_norm": "pred_norm"}.get(metric)
+    if field is None:
+        raise ValueError(f"metric must be 'acc' or 'acc_norm', got {metric!r}")
+    out = {}
+    for q in result["questions"]:
+        if field not in q:
+            raise KeyError(f"question {q.get('subject')}/{q.get('doc_id')} has no {field!r} (fmt {result.get('fmt')})")
+        out[(q["subject"], q["doc_id"])] = float(q[field] == q["gold"])
+    return out
+
+
+def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") -> dict:
+    """Accuracy of a minus b over the questions both answered, with paired significance.
+
+    stderr_a, stderr_b: sample sd of the per-question 0/1 scores / sqrt(n) (lm-eval's stderr).
+    stderr_paired: sd of the per-question differences / sqrt(n). This is the "combined stderr" of
+    the rule: the two models answer the same questions, so their errors are correlated and the
+    paired stderr is the right (usually smaller) one; stderr_unpaired = sqrt(se_a^2 + se_b^2) is
+    given for reference only. significant = |diff| > 2 * stderr_paired.
+    """
+    a, b = _per_question(result_a, metric), _per_question(result_b, metric)
+    settings = {k: (result_a.get(k), result_b.get(k)) for k in ("fmt", "shots") if result_a.get(k) != result_b.get(k)}
+    if settings:
+        raise ValueError(f"results differ in {settings}: not the same questions/prompts")
+    common = sorted(set(a) & set(b), key=repr)
+    if not common:
+        raise ValueError("the two results share no questions")
+    xa = [a[k] for k in common]
+    xb = [b[k] for k in common]
+    d = [x - y for x, y in zip(xa, xb)]
+    n = len(common)
+    acc_a, sd_a = mean_sd(xa)
+    acc_b, sd_b = mean_sd(xb)
+    diff, sd_d = mean_sd(d)
+    se_a, se_b, se_d = sd_a / math.sqrt(n), sd_b / math.sqrt(n), sd_d / math.sqrt(n)
+    return {
+        "metric": metric,
+        "n": n,
+        "acc_a": acc_a,
+        "acc_b": acc_b,
+        "diff": diff,
+        "stderr_a": se_a,
+        "stderr_b": se_b,
+        "stderr_paired": se_d,
+        "stderr_unpaired": math.sqrt(se_a**2 + se_b**2),
+        "n_discordant": sum(1 for x in d if x != 0),  # questions exactly one of the two got right
+        "fmt": result_a.get("fmt"),
+        "shots": result_a.get("shots"),
+        "significant": bool(abs(diff) > 2 * se_d) if not math.isnan(se_d) else False,
+    }
+
+
+def paired_nll_difference(rows: list[dict], stage_a: str, stage_b: str, context_len: int) -> dict | None:
+    """NLL of ``stage_a`` minus ``stage_b`` at ``context_len`` (perplexity rows of both), with the
+    standard error of the mean paired difference over windows: both stages score the same tokens of
+    the same windows. None if either is missing; ``stderr`` is NaN with fewer than two windows."""
+    by = {(r["stage"], int(r["context_len"])): r for r in rows}
+    a, b = by.get((stage_a, context_len)), by.get((stage_b, context_len))
+    if a is None or b is None:
+        return None
+    wa, wb = a.get("window_nlls") or [], b.get("window_nlls") or []
+    diff = float(a["nll"]) - float(b["nll"])
+    if len(wa) != len(wb) or len(wa) < 2:
+        return {"diff": diff, "stderr": float("nan"), "n_windows": len(wa)}
+    _, sd_d = mean_sd([x - y for x, y in zip(wa, wb)])
+    return {"diff": diff, "stderr": sd_d / math.sqrt(len(wa)), "n_windows": len(wa)}
