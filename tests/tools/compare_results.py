@@ -7,7 +7,8 @@ Files must exist on both sides. Safetensors, adapters and every other file are c
 byte, except:
 - CSV files: columns whose name says they hold a time or a rate (``*_s``, ``*tokens_per_s*``,
   ``elapsed``, ``time``...) are dropped, the rest must match exactly;
-- JSON files: keys naming a time, a date, a host or a library version are dropped at any depth;
+- JSON files: keys naming a time, a date, a host or a library version are dropped at any depth, and
+  lists of strings compare as sets (peft writes ``target_modules``, a set, in hash order);
 - logs, benchmark tables, plots (PNG/SVG: matplotlib embeds dates) and the HTML report are skipped.
 Exit status 0 when everything matches; otherwise each difference is printed.
 """
@@ -35,6 +36,8 @@ def _strip_json(obj):
     if isinstance(obj, dict):
         return {k: _strip_json(v) for k, v in obj.items() if not VOLATILE.search(str(k))}
     if isinstance(obj, list):
+        if all(isinstance(x, str) for x in obj):
+            return sorted(obj)  # peft writes sets (target_modules) in hash order
         return [_strip_json(x) for x in obj]
     return obj
 
