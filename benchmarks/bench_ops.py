@@ -16,7 +16,8 @@ A case is skipped (with the reason printed) when its estimated memory exceeds ``
 or when the previous T of the same backend took longer than ``--max-call-s``.
 
 Decode: states are prefilled with a context of 1K and of 32K tokens, then
-``hybrid_attention_step`` is timed over ``--decode-steps`` tokens each (median per step; the
+``hybrid_attention_step`` (in place, as a generation cache runs it) is timed over ``--decode-steps``
+tokens each (median per step; the
 contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
 KV-cache step (SDPA of one query over the whole context, cache not grown) is timed alongside for
 contrast.
@@ -146,7 +147,9 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
                 for _ in range(10):
                     qt, kt, vt = torch.randn(3, B, H, 1, D, generator=g)
                     t0 = time.perf_counter()
-                    _, states[ctx] = hybrid_attention_step(qt, kt, vt, states[ctx], wl, ll, backend="torch")
+                    # in place, as a generation cache steps (the cache owns its state)
+                    _, states[ctx] = hybrid_attention_step(qt, kt, vt, states[ctx], wl, ll, backend="torch",
+                                                           inplace=True)
                     if rnd:
                         times[ctx].append(time.perf_counter() - t0)
         # The softmax steps run apart: streaming a 150 MB cache would evict the hybrid state's

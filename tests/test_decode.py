@@ -241,3 +241,26 @@ def test_query_key_map_pair_decodes_at_kv_heads(formulation, T, w):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     assert state.S.shape == (B, Hkv, 2 * D, D)
     assert_states_equal(pre, state)
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+def test_in_place_steps_equal_functional_steps(formulation, fmap):
+    """The lean path a generation cache takes (state updated in place) gives the functional step's
+    outputs and states, across the window's fill and many folds, with GQA."""
+    B, H, Hk, T, D, w = 2, 4, 2, 40, 8, 6
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    feature = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D)) if fmap == "hedgehog" else "elu1"
+    kw = dict(feature_map=feature, formulation=formulation, backend="torch")
+    fdim = 2 * D if fmap == "hedgehog" else D
+    with torch.no_grad():
+        functional = init_state(B, Hk, D, w, feature_dim=fdim)
+        owned = init_state(B, Hk, D, w, feature_dim=fdim)
+        for t in range(T):
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            want, functional = hybrid_attention_step(*step, functional, wl, ll, **kw)
+            got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_states_equal(owned, functional)

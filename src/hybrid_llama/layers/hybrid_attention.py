@@ -351,6 +351,7 @@ class HybridLlamaAttention(LlamaAttention):
                     formulation=cfg.formulation,
                     key_valid=None if valid is None else valid[:, t],
                     backend=cfg.backend,
+                    inplace=not torch.is_grad_enabled(),  # the cache owns its state
                     **cfg.sparse_kwargs,
                 )
                 outs.append(o)

@@ -203,13 +203,15 @@ def hybrid_attention_step(
     sparse_cache: int = 0,
     sinks: int = 0,
     cache_score: str = "sre",
+    inplace: bool = False,
 ) -> tuple[Tensor, HybridState]:
     """One decode step: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` with the state's heads equal to
     H_kv (GQA; H_kv = H for expanded k/v); returns (out ``[B, H, 1, D]``, new state).
 
     ``key_valid``: ``[B]`` bool, False marks the new token as padding. Backends: ``auto`` (triton on
     CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` / ``seed_naive`` (all
-    the torch step: the recreation had no recurrent decode), ``triton``.
+    the torch step: the recreation had no recurrent decode), ``triton``. ``inplace``: the caller
+    gives ``state`` up (a generation cache), so the torch step may update its buffers in place.
     """
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
     if backend not in BACKENDS + ("torch",):
@@ -229,4 +231,4 @@ def hybrid_attention_step(
                 return fn(q, k, v, state, window_logit, linear_logit, **kwargs)
             except NotImplementedError as exc:
                 _fall_back("_step", f"{exc}")
-    return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, **kwargs)
+    return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, inplace=inplace, **kwargs)

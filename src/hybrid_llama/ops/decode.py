@@ -176,12 +176,17 @@ def hybrid_attention_step_torch(
     feature_map: FeatureMap = "elu1",
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
+    inplace: bool = False,
 ) -> tuple[Tensor, HybridState]:
     """One token: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` and a state of H_kv heads (GQA: query
     head h reads KV head h // (H / H_kv); H_kv = H for expanded k/v). ``key_valid`` ``[B]`` (or
     ``[B, 1]``) bool, True = real. With H_kv < H the key features must be per KV head (elu1, or a
     (query_map, key_map) pair whose key map has H_kv heads): the state's phi(k) is shared by the
-    query heads of a group."""
+    query heads of a group.
+
+    ``inplace``: the caller gives the state up (a generation cache does), so the step may update
+    its buffers in place; without autograd and padding it then takes a leaner path with the same
+    result (no buffer copies, fused updates, the mix without the empty-window guards)."""
     check_step_shapes(q, k, v, state)
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
@@ -194,6 +199,8 @@ def hybrid_attention_step_torch(
         )
     w = state.window
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
+    if inplace and key_valid is None and not torch.is_grad_enabled() and state.S.is_contiguous():
+        return _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map)
     valid_new = (
         torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).to(torch.bool)
     )
@@ -232,3 +239,48 @@ def hybrid_attention_step_torch(
     per_head = [t.reshape(B, H, 1, -1) for t in (win_avg, win_sum, lin_num, lin_den)]
     out = combine(formulation, a, b, *per_head)
     return out.to(q.dtype), new_state
+
+
+def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
+    """The step for a cache that owns its state, without autograd, the new key real: the window then
+    always holds a real key (the new one), so the empty-window guards of ``combine`` are not needed,
+    and a full window of real keys needs no mask at all. Every op here is on a few KB: the step's
+    cost is the number of ops, so the mix is written out instead of going through ``combine``."""
+    B, H, _, D = q.shape
+    Hk, w = k.shape[1], state.window
+    g, slot = H // Hk, state.seen % w
+    full = state.seen >= w and bool(state.window_valid.all())  # every slot holds a real key
+    S, z = state.S, state.z
+    if state.seen >= w:  # position seen-w leaves the window: fold it into S, z in place
+        phi_old = phi_k_map(state.k_window[:, :, slot : slot + 1].float())  # [B, Hk, 1, F]
+        if not full:
+            phi_old = phi_old * state.window_valid[:, None, slot : slot + 1, None]
+        fdim = phi_old.shape[-1]
+        S.view(B * Hk, fdim, D).baddbmm_(phi_old.view(B * Hk, fdim, 1),
+                                         state.v_window[:, :, slot].float().view(B * Hk, 1, D))
+        z.add_(phi_old.view(B, Hk, fdim))
+    state.k_window[:, :, slot] = k[:, :, 0]
+    state.v_window[:, :, slot] = v[:, :, 0]
+    state.window_valid[:, slot] = True
+    state.seen += 1
+
+    qf = q.float().view(B, Hk, g, D)
+    kw, vw = state.k_window.float(), state.v_window.float()
+    scores = torch.matmul(qf * (1.0 / math.sqrt(D)), kw.transpose(-1, -2))  # [B, Hk, g, w]
+    if not full:
+        scores = scores.masked_fill(~state.window_valid[:, None, None, :], float("-inf"))
+    if formulation == "window":
+        return torch.matmul(torch.softmax(scores, dim=-1), vw).view(B, H, 1, D).to(q.dtype), state
+    a, b = mixing_weights(window_logit, linear_logit)
+    a, b = a.view(1, Hk, g, 1), b.view(1, Hk, g, 1)
+    phi_q = phi_q_map(q.float()).view(B, Hk, g, -1)  # (a per-head query map sees [B, H, 1, D])
+    lin_num = torch.matmul(phi_q, S)  # [B, Hk, g, D]
+    lin_den = torch.matmul(phi_q, z.unsqueeze(-1))  # [B, Hk, g, 1]
+    if formulation == "lolcats":  # unnormalised exp-scores share the normalizer with the linear part
+        e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()
+        num = torch.matmul(e, vw).mul_(a).add_(lin_num.mul_(b))
+        den = e.sum(dim=-1, keepdim=True).mul_(a).add_(lin_den.mul_(b))
+    else:
+        num = torch.matmul(torch.softmax(scores, dim=-1), vw).mul_(a).add_(lin_num.mul_(b))
+        den = lin_den.mul_(b).add_(a)
+    return num.div_(den).view(B, H, 1, D).to(q.dtype), state
