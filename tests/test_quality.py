@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 from pathlib import Path
 
 import numpy as np
@@ -162,49 +161,96 @@ def test_key_found():
 # ----------------------------------------------------------------------------- passkey accuracy
 
 
-class OracleLlama(LlamaForCausalLM):
-    """Answers by reading the key from the prompt (offset 0) or a wrong one (offset 1)."""
-
-    offset = 0
-    tokenizer = None
-    calls: list = []
-
-    def generate(self, input_ids, **kw):
-        OracleLlama.calls.append(kw)
-        rows = []
-        for row in input_ids.tolist():
-            key = int(re.search(r"The pass key is (\d+)", self.tokenizer.decode(row)).group(1)) + self.offset
-            new = self.tokenizer(f" {key}.", add_special_tokens=False)["input_ids"]
-            new = (new + [self.tokenizer.eos_token_id] * kw["max_new_tokens"])[: kw["max_new_tokens"]]
-            rows.append(row + new)
-        return torch.tensor(rows)
+def _greedy_starts_with(model, prompt: list[int], answer: list[int]) -> bool:
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer),
+                             min_new_tokens=len(answer), do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist() == answer
 
 
-@pytest.mark.parametrize("offset,expected", [(0, 1.0), (1, 0.0)])
-def test_passkey_accuracy_scores_retrieval(byte_tok, tiny_model_dir, offset, expected):
-    model = OracleLlama(tiny_llama(tiny_model_dir, max_pos=1024).config).eval()
-    OracleLlama.offset, OracleLlama.tokenizer, OracleLlama.calls = offset, byte_tok, []
+@pytest.mark.parametrize("hybrid", [None, "sparse"])
+def test_teacher_forced_hit_equals_greedy_generation(lively_dir, hybrid):
+    """The cheap score must read what exact greedy generation (with the cache) does: checked on
+    passkey trials (misses, for a random model) and on the same prompts with the model's own greedy
+    continuation as the answer (hits by construction), and with one perturbed token (misses)."""
+    from hybrid_llama.models import convert_to_hybrid
+
+    model, tok = load_model(lively_dir, dtype=torch.float32)
+    if hybrid:
+        convert_to_hybrid(model, [0, 2], window=16, formulation="lolcats", feature_map="hedgehog", sparse_cache=8,
+                          sinks=2)
+    model.eval()
+    trials = PK.needle_trials(tok, context_len=240, trials=4, seed=3)
+    cases = []
+    for t in trials:
+        with torch.no_grad():
+            own = model.generate(input_ids=torch.tensor([t["prompt"]]), max_new_tokens=4, do_sample=False,
+                                 pad_token_id=0)[0, len(t["prompt"]):].tolist()
+        cases += [t, {**t, "answer": own}, {**t, "answer": own[:-1] + [(own[-1] + 1) % 300]}]
+    outcomes = []
+    for c in cases:
+        hit, _ = PK.teacher_forced_hit(model, c)
+        assert hit == _greedy_starts_with(model, c["prompt"], c["answer"])
+        outcomes.append(hit)
+    assert any(outcomes) and not all(outcomes)
+
+
+def test_passkey_rows_per_trial(tiny_model_dir, byte_tok):
+    model = tiny_llama(tiny_model_dir, max_pos=1024)
     with pytest.warns(UserWarning, match="max_position_embeddings"):
-        rows = PK.passkey_accuracy(
-            model,
-            byte_tok,
-            context_lens=[256, 768, 4096],
-            depths=(0.2, 0.8),
-            trials=3,
-            seed=0,
-            stage="oracle",
-            batch_size=2,
-        )
-    # 4096 exceeds max_position_embeddings: skipped
-    assert [(r["context_len"], r["depth"]) for r in rows] == [(256, 0.2), (256, 0.8), (768, 0.2), (768, 0.8)]
-    assert all(r["accuracy"] == expected and r["n"] == 3 and r["stage"] == "oracle" for r in rows)
-    assert all(c["do_sample"] is False and c["use_cache"] is True for c in OracleLlama.calls)
+        rows = PK.passkey_accuracy(model, byte_tok, context_lens=[256, 768, 4096], trials=3, seed=0, stage="s",
+                                   generate_trials=2)
+    tf = [r for r in rows if r["method"] == "teacher_forced"]
+    gen = [r for r in rows if r["method"] == "generate"]
+    assert [(r["context_len"], r["trial"]) for r in tf] == [(L, i) for L in (256, 768) for i in range(3)]
+    assert [(r["context_len"], r["trial"]) for r in gen] == [(256, 0), (256, 1)]  # the shortest length only
+    assert sorted({r["depth"] for r in tf}) == pytest.approx([1 / 6, 1 / 2, 5 / 6], abs=1e-5)  # spread evenly
+    assert len({r["key"] for r in tf}) == len(tf)
+    for r in tf:  # the distance runs from the needle's end to the question's start
+        t = PK.needle_trials(byte_tok, context_len=r["context_len"], trials=3, seed=0)[r["trial"]]
+        question = len(byte_tok(PK.PASSKEY_QUESTION, add_special_tokens=False)["input_ids"])
+        assert r["needle_distance"] == r["context_len"] - question - (t["needle"][-1] + 1)
+        assert r["accuracy"] in (0.0, 1.0) and r["n"] == 1 and r["needle_in_cache"] == ""
 
 
-def test_passkey_accuracy_runs_generate_on_tiny_model(tiny_model):
-    model, byte_tok = tiny_model
-    rows = PK.passkey_accuracy(model, byte_tok, context_lens=[256], depths=(0.5,), trials=2, seed=1, stage="base")
-    assert len(rows) == 1 and rows[0]["n"] == 2 and 0.0 <= rows[0]["accuracy"] <= 1.0
+def test_wilson_interval_and_beyond_window_summary():
+    lo, hi = T.wilson_interval(8, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.4902, 0.9433)  # the textbook 95 % Wilson interval
+    assert T.wilson_interval(0, 12)[0] == 0.0 and round(T.wilson_interval(0, 12)[1], 4) == 0.2425
+    assert T.wilson_interval(12, 12)[1] == pytest.approx(1.0)
+    rows = [{"context_len": 1024, "needle_distance": d, "accuracy": a, "n": 1, "method": m}
+            for d, a, m in ((50, 1.0, "teacher_forced"), (300, 0.0, "teacher_forced"), (900, 1.0, "teacher_forced"),
+                            (900, 0.0, "generate"))]
+    allp = T.passkey_summary(rows, 1024)
+    far = T.passkey_summary(rows, 1024, beyond=T.BEYOND_WINDOW)
+    assert (allp["found"], allp["trials"], far["found"], far["trials"]) == (2, 3, 1, 2)
+    assert T.passkey_summary(rows, 1024, method="generate")["accuracy"] == 0.0
+    assert T.passkey_summary(rows, 2048) is None
+
+
+def test_needle_in_cache_reads_the_reference_simulation():
+    """The share of needle positions in a layer's cache equals what the literal eviction simulation
+    (ops.sparse_reference) holds after the same tokens."""
+    from types import SimpleNamespace
+
+    from hybrid_llama.layers import HybridCacheLayer
+    from hybrid_llama.ops import SparseCacheConfig, hybrid_attention
+    from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 90, 8, generator=g) for h in (4, 2, 2))
+    wl, ll = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    _, state = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", sparse_cache=6, sinks=1,
+                                output_final_state=True)
+    _, _, history = hybrid_attention_sparse_reference(q, k, v, wl, ll, window=8, cache=SparseCacheConfig(6, 1))
+    layer = HybridCacheLayer()
+    layer.set_state(state, 90)
+    cache = SimpleNamespace(layers=[layer, object()])
+    for needle in ([10, 11, 12], list(range(20, 40)), [85]):
+        want = sum(len(set(needle) & set(history[0][h][-1])) for h in range(2)) / (2 * len(needle))
+        assert PK.needle_in_cache(cache, needle) == [pytest.approx(want)]
+    assert any(PK.needle_in_cache(cache, n)[0] > 0 for n in ([p] for p in range(9, 80)))
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -262,7 +308,7 @@ def test_hybrid_equals_base_within_window_and_runs_passkey(byte_tok, tiny_model_
     assert rh[0]["nll"] == pytest.approx(rb[0]["nll"], abs=1e-4)
     assert abs(rh[1]["nll"] - rb[1]["nll"]) > 1e-4  # beyond the window the linear part takes over
     rows = PK.passkey_accuracy(hybrid, byte_tok, context_lens=[256], depths=(0.5,), trials=2, stage="transfer")
-    assert rows[0]["n"] == 2
+    assert [(r["trial"], r["depth"], r["n"]) for r in rows] == [(0, 0.5, 1), (1, 0.5, 1)]
 
 
 # ----------------------------------------------------------------------------- held-out slice
@@ -371,29 +417,17 @@ def _ppl_rows(transfer_long: float) -> list[dict]:
     ]
 
 
-def _passkey_rows(transfer_acc: float) -> list[dict]:
-    return [
-        {
-            "stage": s,
-            "context_len": L,
-            "depth": d,
-            "accuracy": a if L < 1024 else (1.0 if s == "base" else transfer_acc),
-            "n": 20,
-        }
-        for s, a in (("base", 1.0), ("transfer", 0.9))
-        for L in (256, 1024)
-        for d in (0.1, 0.5, 0.9)
-    ]
-
-
 def test_csv_roundtrip(tmp_path):
     rows = _ppl_rows(2.9)
     p = T.write_perplexity_csv([dict(r, extra=1) for r in rows], tmp_path / "q" / "perplexity.csv")
     assert p.read_text().splitlines()[0] == "stage,context_len,nll,ppl,n_tokens,window_nlls"
     assert T.read_perplexity_csv(p) == rows
-    k = T.write_passkey_csv(_passkey_rows(0.1), tmp_path / "passkey.csv")
-    assert k.read_text().splitlines()[0] == "stage,context_len,depth,accuracy,n"
-    assert T.read_passkey_csv(k) == _passkey_rows(0.1)
+    trials = [{"stage": "s", "context_len": 1024, "trial": i, "depth": 0.25, "key": "12345", "needle_distance": 300,
+               "method": "teacher_forced", "accuracy": float(i % 2), "n": 1, "needle_in_cache": 0.5 if i else None,
+               "needle_in_cache_layers": "0.500 0.500" if i else ""} for i in range(2)]
+    k = T.write_passkey_csv(trials, tmp_path / "passkey.csv")
+    assert k.read_text().splitlines()[0] == ",".join(T.PASSKEY_COLUMNS)
+    assert T.read_passkey_csv(k) == trials
 
 
 def test_paired_nll_difference_by_hand():

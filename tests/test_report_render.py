@@ -20,6 +20,7 @@ import yaml
 from snakemake.utils import validate
 
 from hybrid_llama import pipeline
+from hybrid_llama.eval.tables import wilson_interval
 from hybrid_llama.pipeline import path
 from hybrid_llama.report import plots, quality_plots
 from hybrid_llama.report.html import write_report
@@ -306,7 +307,8 @@ def test_headline_quality_cells_equal_the_fixture_differences(report):
             assert abs(got - diff) <= tol and abs(got_se - se) <= tol, (slot, column, text, diff, se)
         acc = PASSKEY["base" if slot == "base" else slot, FINAL[slot]]
         found = sum(round(5 * a) for (L, _), a in acc.items() if L == 1024)
-        assert cell(table, slot, "passkey") == f"{found / 10:.0%} ({found}/10)"
+        lo, hi = wilson_interval(found, 10)  # tested against the textbook values in test_quality
+        assert cell(table, slot, "passkey") == f"{found / 10:.0%} ({found}/10) {lo:.0%}–{hi:.0%}"
     assert cell(table, "base", "nll_longest") == f"{statistics.fmean(BASE_NLL[256]):.3f} nats"
 
 
@@ -390,7 +392,9 @@ def test_no_result_files_at_all_still_renders(tmp_path):
                         **none).read_text()
     table = headline(html)
     assert list(table) == ["base", "base + LoRA (control)", "seed: hybrid after transfer + LoRA",
-                           "lolcats: hybrid after transfer + LoRA", "window_only: hybrid as converted (no training)"]
+                           "lolcats: hybrid after transfer + LoRA", "window_only: hybrid as converted (no training)",
+                           "lolcats_sparse: hybrid after transfer + LoRA",
+                           "lolcats_sparse_distill: hybrid after transfer + LoRA"]
     assert all(text == "not measured" for cells in table.values() for text, _ in cells)
     assert len(next(iter(table.values()))) == 6 + 2  # MMLU: shots 0 and 5
     assert summary(html) == []

@@ -37,6 +37,9 @@ from hybrid_llama.config import (  # noqa: F401
 )
 from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES, VARIANT_STAGES  # noqa: F401
 
+# Hybrid keys a derived variant may change: they leave the trained weights valid.
+EVAL_ONLY_HYBRID = ("sparse_cache", "sinks", "cache_score", "backend")
+
 # The files a stage's model is built from, besides the base weights.
 STAGE_ARTIFACTS = {
     "base": (),
@@ -162,7 +165,8 @@ class Pipeline:
         self.config = config
         self.repo = Path(repo)
         self.models = self._by_name("models")
-        self.variants = self._by_name("variants")
+        self.own = self._by_name("variants")  # each variant's entry as written
+        self.variants = {v: self._resolved(v, ()) for v in self.own}
         self.devices = list(config["devices"])
         self.stages = [s for s in STAGES if s in config["stages"]]
 
@@ -175,6 +179,51 @@ class Pipeline:
                 raise ConfigError(f"{section}[{i}].name", f"duplicate name '{name}'")
             out[name] = {k: v for k, v in entry.items() if k != "name"}
         return out
+
+    # ---- derived variants: 'from: parent' reuses the parent's trained artifacts
+
+    def _resolved(self, v: str, chain: tuple[str, ...]) -> dict:
+        """A variant's settings with its parent's filled in ('from'), checked: it may change only the
+        hybrid keys that leave the trained weights valid (EVAL_ONLY_HYBRID)."""
+        own = self.own[v]
+        parent = own.get("from")
+        if parent is None:
+            return own
+        key = f"variants[{v}].from"
+        if parent not in self.own:
+            raise ConfigError(key, f"no variant named '{parent}' to derive from (variants: {sorted(self.own)})")
+        if parent in chain + (v,):
+            raise ConfigError(key, f"derivation cycle {' -> '.join(chain + (v, parent))}")
+        base = self._resolved(parent, chain + (v,))
+        for k, value in (own.get("hybrid") or {}).items():
+            if k not in EVAL_ONLY_HYBRID and value != base["hybrid"].get(k):
+                raise ConfigError(
+                    f"variants[{v}].hybrid.{k}",
+                    f"a variant derived from '{parent}' reuses its trained layers, so it may change only "
+                    f"{', '.join(EVAL_ONLY_HYBRID)}",
+                )
+        merged = deep_merge({k: x for k, x in base.items() if k not in ("description",)}, own)
+        merged["hybrid"] = {**base["hybrid"], **(own.get("hybrid") or {})}
+        return merged
+
+    def parent(self, variant: str) -> str | None:
+        return self.own[variant].get("from")
+
+    def transfer_owner(self, variant: str) -> str:
+        """The variant whose transfer artifacts this variant's models use: its own, unless it derives
+        from a parent and sets no 'transfer' of its own."""
+        parent = self.parent(variant)
+        if parent is None or "transfer" in self.own[variant]:
+            return variant
+        return self.transfer_owner(parent)
+
+    def lora_owner(self, variant: str) -> str:
+        """The variant whose LoRA adapter this variant's transfer_lora stage uses: its own when it
+        trains its own transfer or sets a 'lora' of its own, else its parent's."""
+        parent = self.parent(variant)
+        if parent is None or "lora" in self.own[variant] or self.transfer_owner(variant) == variant:
+            return variant
+        return self.lora_owner(parent)
 
     # ---- data
 
@@ -233,7 +282,13 @@ class Pipeline:
     # ---- per-variant settings
 
     def hybrid(self, variant: str) -> dict:
-        return canonical(self.variants[variant]["hybrid"])
+        h = dict(self.variants[variant]["hybrid"])
+        if not (h.get("sparse_cache") or h.get("sinks")):
+            # The cache off: the settings (and every param and file that holds them) stay as they
+            # were before the sparse cache existed, so no job reruns for it.
+            for key in ("sparse_cache", "sinks", "cache_score"):
+                h.pop(key, None)
+        return canonical(h)
 
     def transfer(self, variant: str) -> dict:
         """The variant's transfer section: top-level defaults with its overrides."""
@@ -267,6 +322,7 @@ class Pipeline:
         return [s for s in VARIANT_STAGES if s in wanted]
 
     def trained(self, variant: str, stage: str) -> bool:
+        """Whether the variant's models at ``stage`` are needed (evaluated, or built upon)."""
         return stage in self.variant_stages(variant) or (
             stage == "transfer" and "transfer_lora" in self.variant_stages(variant))
 
@@ -274,7 +330,9 @@ class Pipeline:
         """The component diagnostic's stages: the evaluated ones plus 'transfer' whenever it trains.
         The window/linear share right after transfer is what attention transfer learned, and costs
         one short forward where the other evaluations of that stage may be cut for time."""
-        return [s for s in VARIANT_STAGES if s in self.variant_stages(variant) or self.trained(variant, s)]
+        own_transfer = self.transfer_owner(variant) == variant  # a derived variant's transfer is its parent's
+        return [s for s in VARIANT_STAGES
+                if s in self.variant_stages(variant) or (own_transfer and self.trained(variant, s))]
 
     def section(self, *keys: str) -> Any:
         """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
@@ -333,10 +391,21 @@ class Pipeline:
 
         for v in self.variants:
             self._check_training(v)
+            self._check_sparse_cache(v)
+
+    def _check_sparse_cache(self, v: str) -> None:
+        h = self.hybrid(v)
+        if (h.get("sparse_cache") or h.get("sinks")) and h["formulation"] != "lolcats":
+            key = "sparse_cache" if h.get("sparse_cache") else "sinks"
+            raise ConfigError(
+                f"variants[{v}].hybrid.{key}",
+                f"the sparse cache joins the shared normalizer of formulation 'lolcats'; variant '{v}' uses "
+                f"'{h['formulation']}'",
+            )
 
     def _check_training(self, v: str) -> None:
         hybrid, t, lora = self.hybrid(v), self.transfer(v), self.lora(v)
-        if self.trained(v, "transfer"):
+        if self.trained(v, "transfer") and self.transfer_owner(v) == v:
             parts = set(t["trainable"].split("+"))
             if hybrid["feature_map"] == "elu1" and parts == {"feature_map"}:
                 raise ConfigError(
@@ -400,8 +469,10 @@ class Pipeline:
         if (slot in SHARED_STAGES) != (stage in SHARED_STAGES) or (slot in SHARED_STAGES and slot != stage):
             raise ValueError(f"stage '{stage}' is not evaluated under '{slot}'")
         files = {"weights": path("weights", model=model)}
-        names = {"hybrid_layers": "layers", "adapter": "adapter"}
-        files.update({names[a]: path(a, model=model, variant=slot) for a in STAGE_ARTIFACTS[stage]})
+        owners = {"hybrid_layers": ("layers", self.transfer_owner), "adapter": ("adapter", self.lora_owner)}
+        for artifact in STAGE_ARTIFACTS[stage]:
+            name, owner = owners[artifact]
+            files[name] = path(artifact, model=model, variant=slot if slot in SHARED_STAGES else owner(slot))
         return files
 
     def stage_hybrid(self, slot: str, stage: str) -> dict | None:
@@ -409,23 +480,25 @@ class Pipeline:
         return self.hybrid(slot) if stage in VARIANT_STAGES else None
 
     def lora_slots(self) -> list[str]:
-        slots = [v for v in self.variants if self.trained(v, "transfer_lora")]
+        """The LoRA jobs: one per variant that owns an adapter some evaluated stage needs."""
+        slots = list(dict.fromkeys(self.lora_owner(v) for v in self.variants if self.trained(v, "transfer_lora")))
         return slots + (["base_lora"] if "base_lora" in self.stages else [])
 
     def transfer_slots(self) -> list[str]:
-        return [v for v in self.variants if self.trained(v, "transfer")]
+        """The transfer jobs: one per variant that owns layers some evaluated stage needs."""
+        return list(dict.fromkeys(self.transfer_owner(v) for v in self.variants if self.trained(v, "transfer")))
 
     def throughput_variants(self) -> list[str]:
-        """The variants whose speed is measured: the trained ones (an untrained control only shows
-        quality), or every variant when none trains."""
-        return self.transfer_slots() or list(self.variants)
+        """The variants whose speed is measured: the trained ones and those derived from them (an
+        untrained control only shows quality), or every variant when none trains."""
+        return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
 
     def corpus_files(
         self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
     ) -> list[str]:
         """The transfer corpora of the trained variants (one per distinct seq_len/num_tokens); when no
         variant trains, the top-level transfer section's corpus (perplexity reads its held-out split)."""
-        variants = self.transfer_slots() if variants is None else list(variants)
+        variants = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
         corpora = [self.corpus(v) for v in variants] or [self._default_corpus()]
         unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
         return [path(name, model=model, **dict(c)) for c in unique]
@@ -439,6 +512,12 @@ class Pipeline:
         if variant != "base_lora" and self.lora(variant)["objective"] == "distill":
             return path("transfer_corpus", model=model, **self.corpus(variant))
         return path("instruct_data", model=model)
+
+    def lora_inputs(self, model: str, variant: str) -> dict[str, str]:
+        """The transfer artifacts a variant's LoRA stage starts from (its transfer owner's)."""
+        owner = self.transfer_owner(variant)
+        return {a: path(f, model=model, variant=owner) for a, f in (("layers", "hybrid_layers"),
+                                                                    ("teacher_states", "teacher_states"))}
 
     # ---- targets
 

@@ -1,14 +1,14 @@
 # LoRA finetune of each variant's transferred hybrid model (on instruction data, or distilled from
 # the base model on the variant's transfer corpus), and of the base model on instruction data (the
-# base_lora control, independent of the variants).
+# base_lora control, independent of the variants). A variant derived from another ('from') with a
+# 'lora' of its own starts from its parent's transfer (P.lora_inputs).
 
 
 rule lora:
     input:
+        unpack(lambda wildcards: P.lora_inputs(wildcards.model, wildcards.variant)),
         weights=weights,
         data=lambda wildcards: P.lora_data(wildcards.model, wildcards.variant),
-        layers=path("hybrid_layers"),
-        teacher_states=path("teacher_states"),
     output:
         adapter=path("adapter"),
         adapter_config=path("adapter_config"),

@@ -1,4 +1,4 @@
-"""Passkey retrieval accuracy vs context length and depth (hybrid_llama.eval.passkey)."""
+"""Passkey retrieval per trial vs context length (hybrid_llama.eval.passkey)."""
 
 from common import quality_table, start
 
@@ -14,6 +14,7 @@ def measure(model, tokenizer, cfg, stage):
         context_lens=cfg["context_lens"],
         depths=cfg["depths"],
         trials=cfg["trials"],
+        generate_trials=cfg["generate_trials"],
         seed=cfg["seed"],
         batch_size=cfg["batch_size"],
         stage=stage,

@@ -1,13 +1,18 @@
-"""Passkey retrieval: a 5-digit key hidden in filler text at a chosen depth, read back by greedy decoding.
+"""Passkey retrieval: a 5-digit key hidden in filler text at a chosen depth, read back greedily.
 
-The hybrid's softmax window is short, so beyond it the key has to survive in the linear state.
-Prompts are built token-exact (``make_passkey_prompt``) so every trial of a (length, depth) cell has
-the same length and the cell batches without padding. The rows go to ``passkey.csv``
-(``hybrid_llama.eval.tables``).
+The hybrid's softmax window is short, so beyond it the key has to survive in the linear state (or in
+the sparse cache). Each trial of a length has its own key, filler order and depth, the depths spread
+over the context; prompts are built token-exact (``make_passkey_prompt``). A trial is scored
+teacher-forced (one forward: would greedy decoding emit the key first?), which equals greedy
+generation (tested) at a fraction of its cost; a few trials are also scored by generation. The rows,
+one per trial with the needle's distance to the question, go to ``passkey.csv``
+(``hybrid_llama.eval.tables``), where the accuracy of the needles beyond the window is aggregated
+with its Wilson interval.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
 import re
 import warnings
@@ -118,18 +123,31 @@ def _trial_key(seed: int, context_len: int, depth: float, trial: int) -> int:
     return random.Random(f"{seed}:{context_len}:{depth}:{trial}").randint(10000, 99999)
 
 
-def cell_prompts(
-    tokenizer, *, context_len: int, depth: float, trials: int, seed: int
-) -> tuple[list[list[int]], list[str]]:
-    """(prompts, keys) of the `trials` trials of one (length, depth) cell: each trial its own key and
-    filler order, all prompts `context_len` tokens. Raises ValueError when the prompt cannot fit."""
-    prompts, keys = [], []
+def spread_depths(trials: int) -> list[float]:
+    """One depth per trial, evenly over the filler: (i + 0.5) / trials."""
+    return [(i + 0.5) / trials for i in range(trials)]
+
+
+def needle_trials(
+    tokenizer, *, context_len: int, trials: int, seed: int = 0, depths: Sequence[float] | None = None
+) -> list[dict]:
+    """The trials of one length: each its own key, filler order and depth (``depths``, cycled, or
+    spread evenly). A trial: ``prompt`` (ids, ``context_len`` long, ending with the question),
+    ``answer`` (the key's tokens as the model should continue), ``key``, ``depth``, ``needle``
+    (the positions of the key's first statement) and ``needle_distance`` (tokens from the
+    needle's end to the question: beyond the window when larger than it).
+    Raises ValueError when the prompt cannot fit."""
+    depths = list(depths) if depths else spread_depths(trials)
+    question = len(_encode(tokenizer, PASSKEY_QUESTION))
+    out = []
     for trial in range(trials):
+        depth = float(depths[trial % len(depths)])
         key = _trial_key(seed, context_len, depth, trial)
-        ids, _ = make_passkey_prompt(tokenizer, context_len=context_len, depth=depth, key=key, seed=seed + trial)
-        prompts.append(ids)
-        keys.append(str(key))
-    return prompts, keys
+        ids, (start, end) = make_passkey_prompt(tokenizer, context_len=context_len, depth=depth, key=key,
+                                                seed=seed + trial)
+        out.append({"trial": trial, "prompt": ids, "answer": passkey_parts(tokenizer, key)["key"], "key": str(key),
+                    "depth": depth, "needle": list(range(start, end)), "needle_distance": context_len - question - end})
+    return out
 
 
 # --------------------------------------------------------------------------- scoring
@@ -139,6 +157,49 @@ def key_found(generated: str, key: str) -> bool:
     """The key counts as retrieved when it appears as a whole number in the continuation
     (so "12345." counts, "123456" does not)."""
     return key in re.findall(r"\d+", generated)
+
+
+@torch.no_grad()
+def teacher_forced_hit(model, trial: dict, device=None) -> tuple[bool, list[float]]:
+    """(hit, needle share per sparse-cache layer) of one trial.
+
+    A hit when greedy decoding would emit exactly the key's tokens first: the prompt runs with a
+    cache, the key's tokens are fed after it, and the argmax at every position must be the next key
+    token (one forward of prompt + key, split so the cache can be read when the question has been
+    asked). The needle share of a hybrid layer with a sparse cache is the fraction of the needle's
+    positions held in its cache at that moment, averaged over the KV heads."""
+    dev = device or next(model.parameters()).device
+    prompt = torch.tensor([trial["prompt"]], device=dev)
+    answer = torch.tensor([trial["answer"]], device=dev)
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    shares = needle_in_cache(out.past_key_values, trial["needle"])
+    preds = [out.logits[0, -1].argmax()]
+    if answer.shape[1] > 1:
+        rest = model(input_ids=answer[:, :-1], **{cache_keyword(model): out.past_key_values}, use_cache=True).logits
+        preds += list(rest[0].argmax(-1))
+    return bool(all(int(p) == int(t) for p, t in zip(preds, answer[0]))), shares
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its cache by: 'cache' from transformers 5.2x, else
+    'past_key_values' (deprecated there)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def needle_in_cache(cache, needle: Sequence[int]) -> list[float]:
+    """Per hybrid layer with a sparse cache (in layer order): the mean over KV heads of the share of
+    ``needle`` positions among the cached positions."""
+    from hybrid_llama.layers import HybridCacheLayer
+
+    shares = []
+    for layer in getattr(cache, "layers", []):
+        state = getattr(layer, "state", None) if isinstance(layer, HybridCacheLayer) else None
+        if state is None or state.sparse is None or state.sparse.cache_pos.shape[-1] == 0:
+            continue
+        cached = state.sparse.cache_pos[0]  # [H_kv, λ]
+        held = torch.isin(cached, torch.tensor(list(needle), device=cached.device))
+        shares.append(float(held.sum(-1).float().mean()) / len(needle))
+    return shares
 
 
 @torch.no_grad()
@@ -167,39 +228,49 @@ def passkey_accuracy(
     tokenizer,
     *,
     context_lens: Sequence[int],
-    depths: Sequence[float] = (0.1, 0.5, 0.9),
-    trials: int = 20,
+    trials: int = 16,
+    depths: Sequence[float] | None = None,
     seed: int = 0,
+    generate_trials: int = 0,
     device=None,
     stage: str,
     batch_size: int = 1,
     dtype=None,
 ) -> list[dict]:
-    """Greedy-decode after each passkey prompt; a trial counts when the key's digits appear.
+    """One row per trial (``tables.PASSKEY_COLUMNS``), scored teacher-forced (``teacher_forced_hit``).
 
-    Lengths whose prompt + answer exceed max_position_embeddings, or too short for the fixed
-    prompt parts, are skipped with a warning (no row). All prompts of a cell have the same length,
-    so they batch without padding. Rows: {stage, context_len, depth, accuracy, n}.
-    """
+    ``generate_trials``: the first this many trials of the shortest length are also scored by
+    greedy generation with the cache (``key_found`` in the continuation), rows with method
+    ``generate``: the check that the cheap score reads what generation does. Lengths whose prompt +
+    answer exceed max_position_embeddings, or too short for the fixed prompt parts, are skipped
+    with a warning (no row)."""
     dev = place_model(model, device, dtype)
     limit = max_positions(model)
     rows = []
     with eval_mode(model):
-        for L in sorted(int(x) for x in context_lens):
-            for depth in depths:
-                try:
-                    prompts, keys = cell_prompts(tokenizer, context_len=L, depth=depth, trials=trials, seed=seed)
-                except ValueError as e:
-                    warnings.warn(f"passkey: skipping context {L}: {e}", stacklevel=2)
-                    continue
-                # room for the key plus a little slack for a leading space or punctuation token
-                new_tokens = max(len(_encode(tokenizer, " " + k)) for k in keys) + 3
-                if limit is not None and L + new_tokens > limit:
-                    warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}", stacklevel=2)
-                    continue
-                hits = _greedy_hits(model, tokenizer, prompts, keys, new_tokens=new_tokens, batch_size=batch_size,
-                                    device=dev)
-                rows.append(
-                    {"stage": stage, "context_len": L, "depth": float(depth), "accuracy": hits / trials, "n": trials}
-                )
+        for i, L in enumerate(sorted(int(x) for x in context_lens)):
+            try:
+                cell = needle_trials(tokenizer, context_len=L, trials=trials, seed=seed, depths=depths)
+            except ValueError as e:
+                warnings.warn(f"passkey: skipping context {L}: {e}", stacklevel=2)
+                continue
+            new_tokens = max(len(t["answer"]) for t in cell) + 3  # the key plus slack for punctuation
+            if limit is not None and L + new_tokens > limit:
+                warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}", stacklevel=2)
+                continue
+            for t in cell:
+                hit, shares = teacher_forced_hit(model, t, dev)
+                rows.append(_row(stage, L, t, hit, "teacher_forced", shares))
+            for t in cell[: generate_trials if i == 0 else 0]:
+                hit = _greedy_hits(model, tokenizer, [t["prompt"]], [t["key"]], new_tokens=new_tokens,
+                                   batch_size=batch_size, device=dev)
+                rows.append(_row(stage, L, t, bool(hit), "generate", []))
     return rows
+
+
+def _row(stage: str, L: int, trial: dict, hit: bool, method: str, shares: list[float]) -> dict:
+    return {"stage": stage, "context_len": L, "trial": trial["trial"], "depth": round(trial["depth"], 6),
+            "key": trial["key"], "needle_distance": trial["needle_distance"], "method": method,
+            "accuracy": float(hit), "n": 1,
+            "needle_in_cache": round(sum(shares) / len(shares), 6) if shares else "",
+            "needle_in_cache_layers": " ".join(f"{x:.3f}" for x in shares)}

@@ -20,7 +20,10 @@ from typing import Any
 from hybrid_llama.files import atomic_path
 
 PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls")
-PASSKEY_COLUMNS = ("stage", "context_len", "depth", "accuracy", "n")
+# One row per trial: accuracy is 0/1 and n is 1, so older aggregate rows read the same way.
+PASSKEY_COLUMNS = ("stage", "context_len", "trial", "depth", "key", "needle_distance", "method", "accuracy", "n",
+                   "needle_in_cache", "needle_in_cache_layers")
+BEYOND_WINDOW = 128  # needles further than this before the question are outside any window + pending block
 COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries")
 
 
@@ -62,12 +65,42 @@ def read_perplexity_csv(path: str | Path) -> list[dict]:
 
 
 def write_passkey_csv(rows: Iterable[dict], path: str | Path) -> Path:
-    """passkey.csv: stage,context_len,depth,accuracy,n"""
+    """passkey.csv: one row per trial (``PASSKEY_COLUMNS``); accuracy is 0 or 1 and n is 1."""
     return write_rows(rows, path, PASSKEY_COLUMNS)
 
 
 def read_passkey_csv(path: str | Path) -> list[dict]:
-    return read_rows(path, {"context_len": int, "depth": float, "accuracy": float, "n": int})
+    return read_rows(path, {"context_len": int, "depth": float, "accuracy": float, "n": int, "trial": int,
+                            "needle_distance": int, "needle_in_cache": _float_or_none})
+
+
+def _float_or_none(text: str) -> float | None:
+    return float(text) if text not in ("", None) else None
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95 % for z = 1.96); (0, 1) when n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def passkey_summary(rows: list[dict], context_len: int, *, beyond: int | None = None,
+                    method: str = "teacher_forced") -> dict | None:
+    """Accuracy of the trials at ``context_len`` scored by ``method`` (older files without a method
+    column count as teacher-forced), only needles more than ``beyond`` tokens before the question
+    when given: {accuracy, found, trials, ci_low, ci_high}; None without trials."""
+    cells = [r for r in rows if int(r["context_len"]) == context_len and r.get("method", method) in (method, "")
+             and (beyond is None or (r.get("needle_distance") is not None and int(r["needle_distance"]) > beyond))]
+    trials = sum(int(r["n"]) for r in cells)
+    if not trials:
+        return None
+    found = sum(round(float(r["accuracy"]) * int(r["n"])) for r in cells)
+    lo, hi = wilson_interval(found, trials)
+    return {"accuracy": found / trials, "found": found, "trials": trials, "ci_low": lo, "ci_high": hi}
 
 
 def write_components_csv(rows: Iterable[dict], path: str | Path) -> Path:

@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from hybrid_llama.eval.tables import BEYOND_WINDOW
 from hybrid_llama.names import SHARED_STAGES, STAGE_LABELS
 from hybrid_llama.pipeline import Pipeline
 from hybrid_llama.report.formatting import byte_size, plus_minus
@@ -174,12 +175,15 @@ def _passkey_cell(res: Results, model: str, device: str, slot: str, stage: str, 
     if length is None:
         return missing(href, "no passkey result")
     rows = res.quality_rows("passkey", model, device, stage, None if slot in SHARED_STAGES else slot)
-    p = passkey_at(rows, length)
+    beyond = passkey_at(rows, length, beyond=BEYOND_WINDOW)
+    p = beyond or passkey_at(rows, length)
     if p is None:
         return missing(href, f"no passkey trials at {length} tokens")
+    where = f"needles > {BEYOND_WINDOW} tokens before the question" if beyond else "all needles"
     return Cell(f"{p['accuracy']:.0%} ({p['found']}/{p['trials']})", href,
-                f"key retrieved in {p['found']} of {p['trials']} trials (all depths) at {length} tokens",
-                value=p["accuracy"], extra=p)
+                f"key retrieved in {p['found']} of {p['trials']} trials at {length} tokens ({where}); 95 % "
+                f"interval {p['ci_low']:.0%}–{p['ci_high']:.0%}",
+                value=p["accuracy"], extra=p, note=f"{p['ci_low']:.0%}–{p['ci_high']:.0%}")
 
 
 def _mmlu_cell(res: Results, model: str, device: str, slot: str, stage: str, fmt: str, shots: int,

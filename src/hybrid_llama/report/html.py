@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from hybrid_llama.eval.mmlu import CHANCE
-from hybrid_llama.eval.tables import read_rows
+from hybrid_llama.eval.tables import BEYOND_WINDOW, read_rows
 from hybrid_llama.files import atomic_write
 from hybrid_llama.names import SHARED_STAGES, STAGES
 from hybrid_llama.pipeline import Pipeline, parse_result_path
@@ -200,8 +200,9 @@ def quality_tables(res: Results, model: str, device: str) -> dict:
     for L in res.context_lens("passkey", model, device):
         cells = []
         for _, _, rows in pk:
-            p = passkey_at(rows, L)
-            cells.append("" if p is None else f"{p['accuracy']:.0%} ({p['found']}/{p['trials']})")
+            p, far = passkey_at(rows, L), passkey_at(rows, L, beyond=BEYOND_WINDOW)
+            text = "" if p is None else passkey_text(p)
+            cells.append(text + ("" if far is None else f"; beyond the window: {passkey_text(far)}"))
         passkey.append({"context_len": L, "cells": cells})
 
     comp = stage_rows(tables("components"))
@@ -429,6 +430,11 @@ def render(context: dict) -> str:
     env.filters["json"] = lambda x: json.dumps(x, default=str)  # autoescape escapes it once
     env.filters["nice"] = _nice
     return env.get_template("report.html.j2").render(**context)
+
+
+def passkey_text(p: dict) -> str:
+    """'75% (12/16, 51–90%)': accuracy, trials and the 95 % Wilson interval."""
+    return f"{p['accuracy']:.0%} ({p['found']}/{p['trials']}, {p['ci_low']:.0%}–{p['ci_high']:.0%})"
 
 
 def write_report(out_path: str | Path, **inputs: Any) -> Path:

@@ -17,7 +17,13 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.eval.tables import QUALITY_READERS, paired_difference, paired_nll_difference, read_rows
+from hybrid_llama.eval.tables import (
+    QUALITY_READERS,
+    paired_difference,
+    paired_nll_difference,
+    passkey_summary,
+    read_rows,
+)
 from hybrid_llama.names import SHARED_STAGES, STAGES
 from hybrid_llama.pipeline import parse_result_path
 
@@ -124,14 +130,10 @@ def nll_delta(a_rows: list[dict], b_rows: list[dict], context_len: int) -> dict 
     return {**d, "nll_a": nll["a"], "nll_b": nll["b"]}
 
 
-def passkey_at(rows: list[dict], context_len: int) -> dict | None:
-    """Passkey accuracy of one stage at ``context_len``: trials found / trials over all depths."""
-    cells = [r for r in rows if int(r["context_len"]) == context_len]
-    trials = sum(int(r["n"]) for r in cells)
-    if not trials:
-        return None
-    found = sum(round(float(r["accuracy"]) * int(r["n"])) for r in cells)
-    return {"accuracy": found / trials, "found": found, "trials": trials}
+def passkey_at(rows: list[dict], context_len: int, *, beyond: int | None = None) -> dict | None:
+    """Passkey accuracy of one stage at ``context_len`` (teacher-forced trials; only the needles more
+    than ``beyond`` tokens before the question when given), with its Wilson interval."""
+    return passkey_summary(rows, context_len, beyond=beyond)
 
 
 def mmlu_delta(result: dict, base: dict, fmt: str) -> dict | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from hybrid_llama.eval.mmlu import CHANCE
+from hybrid_llama.eval.tables import BEYOND_WINDOW
 from hybrid_llama.report.formatting import plus_minus
 from hybrid_llama.report.headline import Headline, Row
 from hybrid_llama.report.results import Results, crossover, nll_delta, speed_ratios
@@ -157,9 +158,10 @@ def passkey_sentence(head: Headline) -> str | None:
     if L is None or not cells:
         return None
     where = f"{L // head.window}× the {head.window}-token window" if head.window else "beyond the window"
-    accs = ", ".join(f"{n} {c.value:.0%}" for n, c in cells)
-    prompts = cells[0][1].extra["trials"]  # prompts at this length: depths x trials per cell
-    return f"Passkey retrieval at {L} tokens ({where}, {prompts} prompts each): {accs}; {PASSKEY_REFERENCE}."
+    accs = ", ".join(f"{n} {c.value:.0%} ({c.extra['ci_low']:.0%}–{c.extra['ci_high']:.0%})" for n, c in cells)
+    prompts = cells[0][1].extra["trials"]  # the needles beyond the window at this length
+    return (f"Passkey retrieval at {L} tokens ({where}; {prompts} needles more than {BEYOND_WINDOW} tokens before "
+            f"the question each, 95 % intervals): {accs}; {PASSKEY_REFERENCE}.")
 
 
 def summarize(head: Headline, res: Results) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -367,7 +366,7 @@ def run_transfer(
         prefix = f"model.layers.{i}.self_attn."
         for n, p in s.named_parameters():
             tensors[prefix + n] = p.detach().float().contiguous().cpu()
-    save_safetensors(out / "hybrid_layers.safetensors", tensors, metadata={"hybrid": json.dumps(asdict(hcfg))})
+    save_safetensors(out / "hybrid_layers.safetensors", tensors, metadata={"hybrid": json.dumps(hcfg.to_dict())})
 
     metrics = {
         "mse_before": {str(i): v for i, v in mse_before.items()},
@@ -386,7 +385,7 @@ def run_transfer(
         "trainable": sorted({n.split(".self_attn.", 1)[1].split(".")[0] for n, _ in named}),
         "num_trainable_params": sum(p.numel() for _, p in named),
         "device": str(device),
-        "hybrid": asdict(hcfg),
+        "hybrid": hcfg.to_dict(),
         "train": cfg,
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
