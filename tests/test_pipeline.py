@@ -259,3 +259,53 @@ def test_formulations_of_the_schema_are_the_ops():
     hybrid = pipeline.load_schema()["$defs"]["hybrid"]["properties"]
     assert tuple(hybrid["formulation"]["enum"]) == FORMULATIONS
     assert tuple(pipeline.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES
+
+
+DERIVED = {**MINIMAL, "variants": [
+    {"name": "v", "hybrid": {"layers": [0], "formulation": "lolcats", "feature_map": "hedgehog"},
+     "transfer": {"trainable": "logits+feature_map"}, "lora": {"objective": "distill"}},
+    {"name": "cache", "from": "v", "hybrid": {"sparse_cache": 16, "sinks": 2}, "stages": ["transfer_lora"]},
+    {"name": "cache_ft", "from": "v", "hybrid": {"sparse_cache": 16}, "lora": {"lr": 0.001}},
+]}
+
+
+def test_derived_variants_reuse_the_parents_artifacts():
+    wf = make(DERIVED)
+    assert wf.hybrid("cache") == {**wf.hybrid("v"), "sparse_cache": 16, "sinks": 2, "cache_score": "sre"}
+    assert "sparse_cache" not in wf.hybrid("v")  # the cache off: params as before the cache existed
+    assert wf.transfer("cache") == wf.transfer("v") and wf.lora("cache") == wf.lora("v")
+    assert wf.lora("cache_ft")["lr"] == 0.001 and wf.lora("cache_ft")["objective"] == "distill"
+    # one transfer and one LoRA job per owner: 'cache' trains nothing, 'cache_ft' only its LoRA
+    assert wf.transfer_slots() == ["v"] and wf.lora_slots() == ["v", "cache_ft", "base_lora"]
+    owned = {"layers": path("hybrid_layers", model="m", variant="v")}
+    assert wf.stage_inputs("m", "cache", "transfer_lora") == {
+        "weights": path("weights", model="m"), **owned, "adapter": path("adapter", model="m", variant="v")}
+    assert wf.stage_inputs("m", "cache_ft", "transfer_lora")["adapter"] == path("adapter", model="m",
+                                                                                variant="cache_ft")
+    assert wf.lora_inputs("m", "cache_ft") == {**owned, "teacher_states": path("teacher_states", model="m",
+                                                                                  variant="v")}
+    assert set(wf.throughput_variants()) == {"v", "cache", "cache_ft"}
+    assert wf.component_stages("cache") == ["transfer_lora"]  # no diagnostic of the parent's transfer again
+
+
+@pytest.mark.parametrize("mutate,key,needle", [
+    (lambda c: c["variants"][1].update({"from": "nope"}), "variants[cache].from", "no variant named 'nope'"),
+    (lambda c: c["variants"][0].update({"from": "cache_ft"}), "variants[cache_ft].from", "cycle"),
+    (lambda c: c["variants"][1]["hybrid"].update(window=32), "variants[cache].hybrid.window", "may change only"),
+    (lambda c: c["variants"][0]["hybrid"].update(formulation="hybrid", feature_map="elu1"),
+     "variants[cache].hybrid.sparse_cache", "formulation 'lolcats'"),
+])
+def test_derived_variant_errors_name_the_key(mutate, key, needle):
+    cfg = resolved(DERIVED)
+    mutate(cfg)
+    with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+        Pipeline(cfg, repo=pipeline.SCHEMA_PATH.parents[2]).check()
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "8"])
+def test_sparse_cache_must_be_a_non_negative_integer(value):
+    cfg = json.loads(json.dumps(DERIVED))
+    cfg["variants"][1]["hybrid"]["sparse_cache"] = value
+    with pytest.raises(Exception, match="sparse_cache"):
+        resolved(cfg)
