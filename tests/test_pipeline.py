@@ -77,8 +77,8 @@ def test_deep_merge_and_canonical():
 
 def test_library_defaults_are_the_schema_defaults():
     from hybrid_llama.layers import HybridConfig
-    from hybrid_llama.train.common import RUN_DEFAULTS
     from hybrid_llama.train.finetune import FINETUNE_DEFAULTS
+    from hybrid_llama.train.settings import RUN_DEFAULTS
     from hybrid_llama.train.transfer import CORPUS_KEYS, TRANSFER_DEFAULTS
 
     assert {k: v for k, v in TRANSFER_DEFAULTS.items() if k not in RUN_DEFAULTS and k != "eval_path"} \
@@ -93,7 +93,7 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
     """An empty transfer/lora section: the params the workflow hands its rules, the library's
     defaults and what the CLI runs with (its metrics.json records the resolved settings) agree."""
     from hybrid_llama.data import prepare_transfer_corpus
-    from hybrid_llama.train.common import RUN_DEFAULTS
+    from hybrid_llama.train.settings import RUN_DEFAULTS
     from hybrid_llama.train.transfer import TRANSFER_DEFAULTS
 
     wf = make()

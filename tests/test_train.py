@@ -17,7 +17,8 @@ import hybrid_llama.train.finetune as ft
 import hybrid_llama.train.transfer as tr
 from hybrid_llama.data import load_instruct, load_packed, prepare_instruct_data, prepare_transfer_corpus
 from hybrid_llama.stages import load_stage
-from hybrid_llama.train.common import NonFiniteError, StopTraining, lr_factor
+from hybrid_llama.train.errors import NonFiniteError, StopTraining
+from hybrid_llama.train.optim import lr_factor
 from hybrid_llama.weights import load_model
 
 HYBRID = {"layers": [1, 3], "window": 16}
@@ -212,10 +213,36 @@ def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, mon
 
 
 def test_lr_schedule_shape():
-    cfg = {**tr.TRANSFER_DEFAULTS, "warmup_ratio": 0.1, "min_lr_ratio": 0.1}
-    f = [lr_factor(s, 100, cfg) for s in range(100)]
+    loop = tr.TransferSettings.from_dict({"warmup_ratio": 0.1, "min_lr_ratio": 0.1}).loop
+    f = [lr_factor(s, 100, loop.schedule, loop.warmup_ratio, loop.min_lr_ratio) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
     assert f[-1] == pytest.approx(0.1) and all(x >= y for x, y in zip(f[9:], f[10:]))
+
+
+def test_settings_are_the_schema_sections_typed_and_give_back_the_dict_they_were_built_from():
+    from hybrid_llama.config import schema_defaults
+    from hybrid_llama.train.settings import CORPUS_KEYS, RUN_DEFAULTS, LoraSettings, TransferSettings
+
+    given = {"lr": 0.5, "batch_size": 3, "eval_path": "held.safetensors", "progress": False}
+    s = TransferSettings.from_dict(given)
+    assert (s.optimizer.lr, s.loop.batch_size, s.eval_path, s.loop.progress) == (0.5, 3, "held.safetensors", False)
+    expect = {k: v for k, v in schema_defaults("transfer").items() if k not in CORPUS_KEYS}
+    expect = {**expect, **RUN_DEFAULTS, "eval_path": None, **given}
+    assert s.as_dict() == expect and list(s.as_dict()) == list(tr.TRANSFER_DEFAULTS)
+    lora = LoraSettings.from_dict({"r": 4, "layers": [2]})
+    assert (lora.adapter.r, lora.adapter.layers, lora.objective) == (4, [2], "instruct")
+    assert lora.as_dict() == {**ft.FINETUNE_DEFAULTS, "r": 4, "layers": [2]}
+    with pytest.raises(ValueError, match=r"transfer train config: unknown keys \['seq_len'\]"):
+        TransferSettings.from_dict({"seq_len": 64})
+
+
+def test_training_code_does_not_import_the_pipeline_module():
+    from pathlib import Path
+
+    import hybrid_llama.train as train
+
+    for path in Path(train.__file__).parent.glob("*.py"):
+        assert "hybrid_llama.pipeline" not in path.read_text(), path
 
 
 # ----------------------------------------------------------------------------------------- LoRA
@@ -471,15 +498,17 @@ def test_converted_stage_is_the_untrained_conversion(tiny_model_dir):
 
 
 def test_optimizer_groups_give_logits_and_feature_maps_their_own_lr():
-    from hybrid_llama.train.common import make_optimizer
+    import dataclasses
+
+    from hybrid_llama.train.optim import make_optimizer
 
     p = {n: torch.nn.Parameter(torch.zeros(2)) for n in ("a.q_proj.lora_A", "a.mixing.window_logit",
                                                          "a.feature_map.q.weight", "a.feature_map.k.bias")}
-    cfg = {**tr.TRANSFER_DEFAULTS, "lr": 1e-3, "logits_lr": 0.05, "feature_map_lr": 0.01}
-    groups = make_optimizer(list(p.items()), cfg).param_groups
+    opt = tr.TransferSettings.from_dict({"lr": 1e-3, "logits_lr": 0.05, "feature_map_lr": 0.01}).optimizer
+    groups = make_optimizer(list(p.items()), opt).param_groups
     assert [(g["lr"], len(g["params"])) for g in groups] == [(1e-3, 1), (0.05, 1), (0.01, 2)]
-    cfg.update(logits_lr=None, feature_map_lr=None)
-    assert [g["lr"] for g in make_optimizer(list(p.items()), cfg).param_groups] == [1e-3] * 3
+    opt = dataclasses.replace(opt, logits_lr=None, feature_map_lr=None)
+    assert [g["lr"] for g in make_optimizer(list(p.items()), opt).param_groups] == [1e-3] * 3
 
 
 @pytest.mark.parametrize("rslora", [False, True])

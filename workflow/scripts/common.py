@@ -69,3 +69,29 @@ def quality_table(snakemake, kind: str, measure) -> list[dict]:
     QUALITY_WRITERS[kind](rows, snakemake.output[0])
     print(rows)
     return rows
+
+
+# ---------------------------------------------------------------- training jobs
+
+
+def training_checkpoints(snakemake, kind: str, slot: str, hybrid, settings: dict):
+    """A context manager: ``with training_checkpoints(...) as settings:`` gets ``settings`` with the
+    torch device resolved and ``checkpoint_dir`` set. The directory is keyed by the settings, so a
+    changed config never resumes a stale run; it is removed once the block succeeds (a failed job
+    keeps it for the rerun to resume)."""
+    import shutil
+    from contextlib import contextmanager
+
+    from hybrid_llama.config import settings_key
+    from hybrid_llama.pipeline import path
+    from hybrid_llama.runtime import require_device
+
+    ckpt = path("checkpoints", kind=kind, model=snakemake.wildcards.model, variant=slot,
+                key=settings_key(hybrid, settings))
+
+    @contextmanager
+    def checkpointed():
+        yield {**settings, "device": require_device(settings["device"]), "checkpoint_dir": ckpt}
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+    return checkpointed()

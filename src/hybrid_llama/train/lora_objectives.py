@@ -1,0 +1,225 @@
+"""The objectives of the LoRA stage: per-token losses of the language model being finetuned.
+
+- :class:`InstructObjective`: next-token cross-entropy on the responses of instruction data (Dolly),
+  as the published recreation finetunes;
+- :class:`DistillObjective`: the KL divergence from the frozen base model's next-token distribution
+  to the hybrid model's, on rows of the transfer corpus. Where attention transfer matches each layer
+  on its own, this trains the layers together on what the model outputs, which is what held-out
+  perplexity measures.
+
+Both validate before training and after every epoch, per token over the whole validation split.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from abc import abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
+from hybrid_llama.train.compute import autocast, autocast_active
+from hybrid_llama.train.errors import NonFiniteError
+from hybrid_llama.train.trainer import MicroLoss, Objective
+
+__all__ = ["TokenObjective", "InstructObjective", "DistillObjective"]
+
+Batch = dict[str, torch.Tensor]
+
+
+class TokenObjective(Objective):
+    """A per-token loss of ``model`` (the peft-wrapped model; its parameters that require grad train).
+
+    A subclass names its data (:meth:`split_rows`, :meth:`batch`) and its summed loss (:meth:`loss_sum`).
+    """
+
+    name = "lora"
+    log_columns = ("step", "split", "loss")
+    metric: str  # what the per-token loss is, for metrics.json
+    teacher_forwards: int | None = None  # teacher forwards run, where there is a teacher
+
+    def __init__(self, model: nn.Module, *, batch_size: int, device: torch.device, amp: bool) -> None:
+        self.model, self.batch_size, self.device, self.amp = model, batch_size, device, amp
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.val_before: float | None = None
+        self.val_per_epoch: list[float] = []
+        self.last_train_loss: float | None = None
+
+    @abstractmethod
+    def split_rows(self, split: str) -> int:
+        """Rows of ``split`` ("train" | "val")."""
+
+    @abstractmethod
+    def batch(self, split: str, idx: Any) -> Batch:
+        """Rows ``idx`` (indices or a slice) of ``split`` on the device, with an ``attention_mask``."""
+
+    @abstractmethod
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """The loss summed over the batch's scored tokens, and their count."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.split_rows("train")
+
+    def parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.named
+
+    def loss(self, rows: list[int], step: int) -> MicroLoss:
+        batch = self.batch("train", rows)
+        with autocast(self.device, self.amp):
+            total, count = self.loss_sum(batch)
+        loss = total / max(1, count)
+        if not bool(torch.isfinite(loss.detach())):
+            raise _locate_nonfinite(self.model, batch, step)
+        return MicroLoss(loss, int(batch["attention_mask"].sum()), {})
+
+    def log_step(self, step: int, logs: dict[str, float]) -> list[tuple]:
+        self.last_train_loss = logs["loss"]
+        return [(step, "train", logs["loss"])]
+
+    def validate(self, step: int) -> list[tuple]:
+        v = self.validation_loss()
+        if step == 0:
+            self.val_before = v
+        else:
+            self.val_per_epoch.append(v)
+        return [(step, "val", v)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"val_per_epoch": list(self.val_per_epoch), "last_train_loss": self.last_train_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.val_per_epoch = list(state.get("val_per_epoch", []))
+        self.last_train_loss = state.get("last_train_loss")
+
+    @torch.no_grad()
+    def validation_loss(self) -> float:
+        """The loss per token over the whole validation split (token-weighted, not batch-weighted)."""
+        was = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        for s in range(0, self.split_rows("val"), self.batch_size):
+            batch = self.batch("val", slice(s, s + self.batch_size))
+            with autocast(self.device, self.amp):
+                loss, c = self.loss_sum(batch)
+            total += float(loss)
+            count += c
+        self.model.train(was)
+        return total / max(1, count)
+
+
+def _trim(batch: Batch, max_length: int | None) -> Batch:
+    # Right padding: cut columns past the longest real row (and past max_length).
+    width = int(batch["attention_mask"].sum(1).max())
+    if max_length is not None:
+        width = min(width, int(max_length))
+    return {k: v[:, :width] for k, v in batch.items()}
+
+
+class InstructObjective(TokenObjective):
+    """Next-token cross-entropy on the response tokens of instruction data (``prepare_instruct_data``)."""
+
+    metric = "nll"
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike, *, max_length: int | None,
+                 max_val_examples: int | None, batch_size: int, device: torch.device, amp: bool) -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp)
+        self.splits = {"train": load_instruct(path, "train"), "val": load_instruct(path, "val")}
+        if max_val_examples is not None:
+            self.splits["val"] = {k: v[: int(max_val_examples)] for k, v in self.splits["val"].items()}
+        self.max_length = max_length
+
+    def split_rows(self, split: str) -> int:
+        return len(self.splits[split]["input_ids"])
+
+    def batch(self, split: str, idx: Any) -> Batch:
+        return _trim({k: v[idx].to(self.device) for k, v in self.splits[split].items()}, self.max_length)
+
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        nll = F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        )
+        return nll, int((labels != IGNORE_INDEX).sum())
+
+
+class DistillObjective(TokenObjective):
+    """KL(teacher || student) of the next-token distributions, summed over every position of packed
+    transfer-corpus rows; the last ``eval_sequences`` rows are held out for validation.
+
+    ``teacher_states``: attention transfer's ``teacher_states.safetensors``; training rows found there
+    get the teacher's logits from one ``lm_head`` matmul instead of a teacher forward.
+    """
+
+    metric = "kl"
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
+                 teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
+                 amp: bool) -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp)
+        rows = load_packed(path)
+        k = int(eval_sequences)
+        if not 1 <= k < len(rows):
+            raise ValueError(f"{path}: {len(rows)} rows, need 1 <= lora.eval_sequences={k} < rows")
+        self.rows = {"train": rows[:-k], "val": rows[-k:]}
+        self.teacher = teacher
+        self.teacher_forwards = 0
+        self.train_states = None
+        if teacher_states is not None:
+            from hybrid_llama.train.teacher_states import TeacherStates
+
+            weight = next(teacher.parameters())
+            self.train_states, why = TeacherStates(teacher_states).for_rows(
+                self.rows["train"], dtype=str(weight.dtype), autocast=autocast_active(weight.device, amp))
+            print(f"distill: teacher states {'from transfer' if why == '' else 'recomputed: ' + why}", flush=True)
+
+    def split_rows(self, split: str) -> int:
+        return len(self.rows[split])
+
+    def batch(self, split: str, idx: Any) -> Batch:
+        ids = self.rows[split][idx].to(self.device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if split == "train" and self.train_states is not None:
+            batch["teacher_states"] = self.train_states[idx].to(self.device)
+        return batch
+
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        with torch.no_grad():
+            states = batch.get("teacher_states")
+            if states is None:  # what teacher(input_ids).logits computes, in two steps
+                states = self.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
+                self.teacher_forwards += 1
+            target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
+        logp = torch.log_softmax(self.model(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+        kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
+        return kl, batch["input_ids"].numel()
+
+
+def _locate_nonfinite(model: nn.Module, batch: Batch, step: int) -> NonFiniteError:
+    """Rerun the forward with hooks to name the first decoder layer whose output is not finite."""
+    bad: list[str] = []
+    handles = []
+    for name, mod in model.named_modules():
+        m = re.search(r"layers\.(\d+)$", name)
+        if m is None:
+            continue
+
+        def hook(_m, _a, out, i=m[1]):
+            t = out[0] if isinstance(out, tuple) else out
+            if not bad and not bool(torch.isfinite(t).all()):
+                bad.append(f"layer {i}")
+
+        handles.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    finally:
+        for h in handles:
+            h.remove()
+    return NonFiniteError(step, bad[0] if bad else "the loss (logits/labels)")
