@@ -18,8 +18,9 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hybrid_llama import data
 from hybrid_llama.eval import quality as Q
+from hybrid_llama.models import load_model
 from hybrid_llama.pipeline import shared_data_dir
-from hybrid_llama.weights import byte_tokenizer, load_model
+from hybrid_llama.weights import byte_tokenizer
 
 SHARED = shared_data_dir()
 FINEWEB = SHARED / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"
