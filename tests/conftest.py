@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_llama.pipeline import shared_data_dir as find_shared_data
-from hybrid_llama.weights import load_model, resolve_model
+from hybrid_llama.weights import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPEC = {"kind": "random", "preset": "tiny", "seed": 0}
@@ -61,4 +61,6 @@ def smollm2_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_model(tiny_model_dir):
     """``(model, tokenizer)``: a fresh copy per test (tests may modify or convert it)."""
+    from hybrid_llama.models import load_model
+
     return load_model(tiny_model_dir, dtype=torch.float32)

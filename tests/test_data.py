@@ -261,3 +261,18 @@ def test_hf_source_is_streamed_and_read_only_as_far_as_needed(monkeypatch, tiny_
     pattern = r"hf:HuggingFaceFW/fineweb-edu/sample-10BT:train: row 1: missing column 'body'"
     with pytest.raises(DataError, match=pattern):
         prepare_transfer_corpus({**src, "text_column": "body"}, tiny_tokenizer, tmp_path / "x.safetensors")
+
+
+def test_outputs_leave_no_temporary_files_and_readers_stay_importable_from_data(files, tiny_tokenizer, tmp_path):
+    """The tensors and the manifest each go through files.atomic_write (nothing else is left in the
+    folder); the readers live in hybrid_llama.sources and keep their names in hybrid_llama.data."""
+    from hybrid_llama import data, sources
+
+    src = {"kind": "local", "path": str(files["edu_jsonl"])}
+    prepare_transfer_corpus(src, tiny_tokenizer, tmp_path / "a" / "c.safetensors", seq_len=64, num_tokens=640)
+    out = tmp_path / "a"
+    prepare_instruct_data({"kind": "local", "path": str(files["dolly"])}, tiny_tokenizer, out / "i.safetensors",
+                          max_examples=20)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["c.json", "c.safetensors", "i.json", "i.safetensors"]
+    for name in ("DataError", "doc_hash", "split_of", "split_documents", "iter_documents", "iter_rows"):
+        assert getattr(data, name) is getattr(sources, name)

@@ -343,7 +343,7 @@ def test_mmlu_hf_configs_hold_the_csv_rows(mmlu_repo):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from hybrid_llama.weights import load_model
+    from hybrid_llama.models import load_model
 
     return load_model(tiny_model_dir, dtype=torch.float32)
 

@@ -15,8 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybrid_llama.eval.mmlu import compare, run_mmlu, write_result
+from hybrid_llama.models import load_model
 from hybrid_llama.pipeline import shared_data_dir
-from hybrid_llama.weights import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = shared_data_dir()

@@ -22,10 +22,11 @@ from hybrid_llama.models import (
     hybrid_parameter_names,
     load_hybrid,
     load_hybrid_layers,
+    load_model,
     make_hybrid_attention,
     save_hybrid,
 )
-from hybrid_llama.weights import load_model, resolve_model
+from hybrid_llama.weights import resolve_model
 
 BACKEND = "auto"
 HYBRID_LAYERS = [0, 2]

@@ -1,5 +1,5 @@
-"""hybrid_llama.pipeline: the path table, config resolution and checks, without running Snakemake
-(except to resolve a config exactly as the workflow does)."""
+"""hybrid_llama.pipeline (the path table, config views and checks) and hybrid_llama.config (defaults,
+merging), without running Snakemake (except to resolve a config exactly as the workflow does)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,16 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from snakemake.utils import validate
 
-from hybrid_llama import pipeline
-from hybrid_llama.pipeline import (
-    PATHS,
-    ConfigError,
-    Pipeline,
-    canonical,
-    deep_merge,
-    parse_result_path,
-    path,
-    schema_defaults,
-)
+from hybrid_llama import config, pipeline
+from hybrid_llama.config import ConfigError, canonical, deep_merge, schema_defaults
+from hybrid_llama.pipeline import PATHS, Pipeline, parse_result_path, path, shared_data_dir
+
+REPO = Path(__file__).resolve().parents[1]
 
 MINIMAL = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
            "variants": [{"name": "v", "hybrid": {"layers": [0]}}]}
@@ -31,12 +26,12 @@ MINIMAL = {"models": [{"name": "m", "kind": "random", "preset": "tiny"}],
 def resolved(cfg: dict) -> dict:
     """A config with the schema's defaults filled in, exactly as the Snakefile's validate() does."""
     cfg = json.loads(json.dumps(cfg))
-    validate(cfg, str(pipeline.SCHEMA_PATH))
+    validate(cfg, str(config.SCHEMA_PATH))
     return cfg
 
 
 def make(cfg: dict | None = None, **overrides) -> Pipeline:
-    return Pipeline(resolved(deep_merge(cfg or MINIMAL, overrides)), repo=pipeline.SCHEMA_PATH.parents[2])
+    return Pipeline(resolved(deep_merge(cfg or MINIMAL, overrides)), repo=REPO)
 
 
 SAMPLE = {"model": "smollm2", "variant": "even_w64", "stage": "transfer_lora", "device": "cuda:1-h100",
@@ -76,7 +71,6 @@ def test_deep_merge_and_canonical():
 
 
 def test_library_defaults_are_the_schema_defaults():
-    from hybrid_llama.layers import HybridConfig
     from hybrid_llama.train.finetune import FINETUNE_DEFAULTS
     from hybrid_llama.train.settings import RUN_DEFAULTS
     from hybrid_llama.train.transfer import CORPUS_KEYS, TRANSFER_DEFAULTS
@@ -84,8 +78,37 @@ def test_library_defaults_are_the_schema_defaults():
     assert {k: v for k, v in TRANSFER_DEFAULTS.items() if k not in RUN_DEFAULTS and k != "eval_path"} \
         == {k: v for k, v in schema_defaults("transfer").items() if k not in CORPUS_KEYS}
     assert {k: v for k, v in FINETUNE_DEFAULTS.items() if k not in RUN_DEFAULTS} == schema_defaults("lora")
+
+
+def test_hybrid_config_defaults_are_the_schema_defaults():
+    """HybridConfig (the layers' own defaults) and the schema's hybrid block (the workflow's and the
+    CLIs' defaults, via hybrid_llama.config) name the same recipe."""
+    from hybrid_llama.layers import HybridConfig
+
     fields = {f.name: f.default for f in dataclasses.fields(HybridConfig) if f.name != "layers"}
-    assert fields == pipeline.hybrid_defaults()
+    assert fields == config.hybrid_defaults()
+    assert set(config.hybrid_defaults()) == set(config.load_schema()["$defs"]["hybrid"]["properties"]) - {"layers"}
+
+
+def test_pipeline_reexports_the_config_and_names_it_was_built_on():
+    """The Snakefile, the report and the training CLIs still import these from hybrid_llama.pipeline."""
+    from hybrid_llama import names
+
+    for name in ("SCHEMA_PATH", "ConfigError", "canonical", "deep_merge", "hybrid_defaults", "load_schema",
+                 "schema_defaults", "settings_key"):
+        assert getattr(pipeline, name) is getattr(config, name)
+    for name in ("STAGES", "SHARED_STAGES", "VARIANT_STAGES", "STAGE_LABELS", "MMLU_FORMATS"):
+        assert getattr(pipeline, name) is getattr(names, name)
+    assert not hasattr(pipeline, "torch_device")
+
+
+def test_shared_data_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYBRID_LLAMA_SHARED_DATA", raising=False)
+    assert shared_data_dir() == REPO.resolve().parent / "shared" / "data"  # beside this checkout
+    assert shared_data_dir(repo=tmp_path / "repo") == tmp_path / "shared" / "data"
+    assert shared_data_dir(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HYBRID_LLAMA_SHARED_DATA", str(tmp_path / "env"))
+    assert shared_data_dir() == tmp_path / "env"
 
 
 def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny_model_dir, shared_data_dir,
@@ -178,7 +201,7 @@ def test_semantic_checks_name_the_key(mutate, key, needle):
     cfg = resolved(MINIMAL)
     mutate(cfg)
     with pytest.raises(ConfigError, match=re.escape(needle)) as err:
-        Pipeline(cfg, repo=pipeline.SCHEMA_PATH.parents[2]).check()
+        Pipeline(cfg, repo=REPO).check()
     assert err.value.key == key and f"'{key}'" in str(err.value)
 
 
@@ -213,7 +236,7 @@ def test_variant_stages_and_the_files_they_need():
         {"name": "ctl", "hybrid": {"layers": [0], "formulation": "window"}, "stages": ["converted"]},
         {"name": "final", "hybrid": {"layers": [0]}, "stages": ["transfer_lora"]},
     ]
-    wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
+    wf = Pipeline(resolved(cfg), repo=REPO)
     wf.check()
     # a variant evaluated only at its last stage still trains through transfer, and the component
     # diagnostic (alone) also looks at the model right after transfer
@@ -222,7 +245,7 @@ def test_variant_stages_and_the_files_they_need():
     for kind, stages in expected.items():
         assert [parse_result_path(f)[1]["stage"] for f in wf.stage_quality_files("m", "final", "cpu", kind)] == stages
     cfg["variants"].pop()
-    wf = Pipeline(resolved(cfg), repo=pipeline.SCHEMA_PATH.parents[2])
+    wf = Pipeline(resolved(cfg), repo=REPO)
     assert wf.variant_stages("v") == ["transfer", "transfer_lora"] and wf.variant_stages("ctl") == ["converted"]
     assert ("ctl", "converted") in wf.eval_slots() and ("ctl", "transfer") not in wf.eval_slots()
     assert wf.stage_inputs("m", "ctl", "converted") == {"weights": path("weights", model="m")}
@@ -253,12 +276,23 @@ def test_variant_stages_and_the_files_they_need():
     ]
 
 
+def test_untrained_variants_still_get_the_top_level_corpus():
+    """With no variant to train, perplexity still reads the top-level transfer section's corpus, named
+    by the same wildcards a trained variant's corpus would have."""
+    cfg = resolved(MINIMAL)
+    cfg["variants"][0]["stages"] = ["converted"]
+    cfg["transfer"]["num_tokens"] = None
+    wf = Pipeline(cfg, repo=REPO)
+    assert wf.transfer_slots() == [] and wf.corpus("v") == {"seq_len": "1024", "num_tokens": "all"}
+    assert wf.corpus_files("m") == [path("transfer_corpus", model="m", **wf.corpus("v"))]
+
+
 def test_formulations_of_the_schema_are_the_ops():
     from hybrid_llama.ops.reference import FORMULATIONS
 
-    hybrid = pipeline.load_schema()["$defs"]["hybrid"]["properties"]
+    hybrid = config.load_schema()["$defs"]["hybrid"]["properties"]
     assert tuple(hybrid["formulation"]["enum"]) == FORMULATIONS
-    assert tuple(pipeline.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES
+    assert tuple(config.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES
 
 
 DERIVED = {**MINIMAL, "variants": [

@@ -20,8 +20,9 @@ from hybrid_llama.eval import heldout as HO
 from hybrid_llama.eval import passkey as PK
 from hybrid_llama.eval import perplexity as PPL
 from hybrid_llama.eval import tables as T
+from hybrid_llama.models import load_model
 from hybrid_llama.pipeline import shared_data_dir
-from hybrid_llama.weights import byte_tokenizer, load_model
+from hybrid_llama.weights import byte_tokenizer
 
 SHARED = shared_data_dir()
 FINEWEB = SHARED / "fineweb-edu" / "fineweb-edu-sample-10BT.150docs.text.jsonl"

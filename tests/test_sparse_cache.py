@@ -10,7 +10,7 @@ import torch
 from test_models import greedy, randomize_hybrid_params
 
 from hybrid_llama.layers import HybridCacheLayer
-from hybrid_llama.models import convert_to_hybrid, hybrid_cache_nbytes
+from hybrid_llama.models import convert_to_hybrid, hybrid_cache_nbytes, load_model
 from hybrid_llama.ops import (
     HedgehogFeatureMap,
     SparseCacheConfig,
@@ -20,7 +20,6 @@ from hybrid_llama.ops import (
 )
 from hybrid_llama.ops.sparse_cache import random_scores
 from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
-from hybrid_llama.weights import load_model
 
 
 def make(B=2, H=4, Hk=2, T=70, D=8, seed=0):

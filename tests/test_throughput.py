@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybrid_llama.eval.throughput import COLUMNS, greedy_decode, measure_throughput, write_csv
-from hybrid_llama.weights import load_model
+from hybrid_llama.models import load_model
 
 LENS = [2**i for i in range(7)]  # 1 .. 64
 WINDOW = 4

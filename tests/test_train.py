@@ -16,10 +16,10 @@ import hybrid_llama.models as hm
 import hybrid_llama.train.finetune as ft
 import hybrid_llama.train.transfer as tr
 from hybrid_llama.data import load_instruct, load_packed, prepare_instruct_data, prepare_transfer_corpus
+from hybrid_llama.models import load_model
 from hybrid_llama.stages import load_stage
 from hybrid_llama.train.errors import NonFiniteError, StopTraining
 from hybrid_llama.train.optim import lr_factor
-from hybrid_llama.weights import load_model
 
 HYBRID = {"layers": [1, 3], "window": 16}
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -424,8 +424,7 @@ def test_hybrid_llama_on_triton_matches_chunked(tiny_model_dir, feature_map):
     keeps its decode state per KV head: logits, parameter gradients (Hedgehog maps' included) and
     cached greedy generation match the same model on the chunked backend. With Hedgehog the layer
     passes a (query_map, key_map) pair: F = 32, D = 16."""
-    from hybrid_llama.models import convert_to_hybrid
-    from hybrid_llama.weights import load_model
+    from hybrid_llama.models import convert_to_hybrid, load_model
 
     models = {}
     for backend in ("triton", "chunked"):

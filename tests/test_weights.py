@@ -9,10 +9,10 @@ import zipfile
 import pytest
 import torch
 
+from hybrid_llama.models import load_model
 from hybrid_llama.weights import (
     SMOLLM2_SPEC,
     ModelSpecError,
-    load_model,
     random_config,
     resolve_model,
 )
@@ -117,6 +117,31 @@ def test_spec_errors(tmp_path):
             resolve_model(spec, tmp_path / "out")
         assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # no temporary directories left behind
+
+
+def test_resolve_writes_through_a_temporary_directory(tmp_path, monkeypatch):
+    """The result appears only once complete (files.atomic_path), as an ordinary directory; a stale
+    temporary of a killed run with the same pid is replaced, and a failed build leaves nothing."""
+    import os
+    import stat
+
+    import hybrid_llama.weights as weights
+
+    stale = tmp_path / f".model.tmp{os.getpid()}"
+    stale.mkdir()
+    (stale / "junk.bin").write_bytes(b"x")
+    d = resolve_model(dict(TINY), tmp_path / "model")
+    assert "junk.bin" not in {p.name for p in d.iterdir()} and stat.S_IMODE(d.stat().st_mode) == 0o755
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+    def half_build(spec, out):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("killed half-way")
+
+    monkeypatch.setattr(weights, "_build_random", half_build)
+    with pytest.raises(ModelSpecError, match="RuntimeError: killed half-way"):
+        resolve_model({**TINY, "seed": 3}, tmp_path / "other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 # -------------------------------------------------------------------------------- pypi (offline)

@@ -31,10 +31,9 @@ def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
-def schema_defaults(section: str) -> dict[str, Any]:
-    """The defaults the schema gives a top-level section (e.g. "transfer", "lora"), keys in schema order."""
+def _property_defaults(node: dict) -> dict[str, Any]:
+    """The defaults of a schema object's properties, its own and its ``allOf`` parts', in schema order."""
     schema = load_schema()
-    node = schema["properties"][section]
     defaults: dict[str, Any] = {}
     for sub in [node, *node.get("allOf", [])]:
         if "$ref" in sub:
@@ -45,10 +44,15 @@ def schema_defaults(section: str) -> dict[str, Any]:
     return defaults
 
 
+def schema_defaults(section: str) -> dict[str, Any]:
+    """The defaults the schema gives a top-level section (e.g. "transfer", "lora"), keys in schema order."""
+    return _property_defaults(load_schema()["properties"][section])
+
+
 def hybrid_defaults() -> dict[str, Any]:
-    """The defaults of a variant's ``hybrid`` block (everything but ``layers``)."""
-    props = load_schema()["$defs"]["hybrid"]["properties"]
-    return {k: copy.deepcopy(v["default"]) for k, v in props.items() if "default" in v}
+    """The defaults of a variant's ``hybrid`` block (everything but ``layers``). ``HybridConfig`` repeats
+    them as its field defaults (the layers do not read the schema); a test keeps the two equal."""
+    return _property_defaults(load_schema()["$defs"]["hybrid"])
 
 
 def deep_merge(base: dict, override: dict | None) -> dict:

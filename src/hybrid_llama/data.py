@@ -1,33 +1,36 @@
 """Training data: the packed transfer corpus and the instruction-tuning set.
 
-Both builders read a *source spec* (a dict from config), tokenize with the model's tokenizer and write
-one safetensors file plus a JSON manifest beside it (same name, ``.json``). Config keys and defaults are
-listed in each function's docstring (and, as workflow config, in ``config/schema.yaml``).
-
-Source specs:
-- ``{kind: hf, path: HuggingFaceFW/fineweb-edu, name: sample-10BT, split: train, text_column: text}``
-  streamed with ``datasets``;
-- ``{kind: local, path: <file | dir | glob>, text_column: text}`` for ``.jsonl``/``.json`` (one object per
-  line), ``.parquet`` and ``.csv`` files.
-
-Bad data raises :class:`DataError` naming the file and the line or row.
+Both builders read a *source spec* (a dict from config; ``hybrid_llama.sources`` reads it), tokenize
+with the model's tokenizer and write one safetensors file plus a JSON manifest beside it (same name,
+``.json``). Config keys and defaults are listed in each function's docstring (and, as workflow
+config, in ``config/schema.yaml``). Bad data raises :class:`DataError` naming the file and the line
+or row.
 """
 
 from __future__ import annotations
 
-import csv
-import glob
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from .files import save_safetensors, sha256_of
+from .files import atomic_write, save_safetensors, sha256_of
+
+# The readers live in .sources; these names stay importable from here for existing callers.
+from .sources import (
+    DataError,
+    column_text,
+    doc_hash,
+    iter_documents,
+    iter_rows,
+    source_files,
+    split_documents,
+    split_of,
+)
 
 __all__ = [
     "DataError",
@@ -44,160 +47,10 @@ __all__ = [
     "format_instruction",
 ]
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 IGNORE_INDEX = -100
 
 
-class DataError(ValueError):
-    """Bad or insufficient input data; the message names the file and line/row."""
-
-
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def doc_hash(text: str) -> str:
-    """sha256 hex digest of a document's UTF-8 text (the id recorded in manifests)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def split_of(text: str, *, heldout_fraction: float, seed: int = 0) -> str:
-    """Deterministic document split: ``"heldout"`` for a seeded-hash fraction of texts, else ``"train"``.
-
-    Depends only on (seed, text), so any worker can recompute it without coordination.
-    """
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    h = hashlib.sha256(f"{seed}\0".encode() + text.encode("utf-8")).digest()
-    u = int.from_bytes(h[:8], "big") / 2.0**64
-    return "heldout" if u < heldout_fraction else "train"
-
-
-def split_documents(texts: Iterable[str], *, heldout_fraction: float, seed: int = 0) -> tuple[list[str], list[str]]:
-    """(train, heldout) lists by :func:`split_of`, each in input order."""
-    train: list[str] = []
-    heldout: list[str] = []
-    for t in texts:
-        (heldout if split_of(t, heldout_fraction=heldout_fraction, seed=seed) == "heldout" else train).append(t)
-    return train, heldout
-
-
-def _resolve_files(path: str | os.PathLike) -> list[Path]:
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(LOCAL_SUFFIXES))
-        if not files:
-            raise DataError(f"{p}: directory holds no {'/'.join(LOCAL_SUFFIXES)} files")
-        return files
-    if p.is_file():
-        return [p]
-    matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
-    if not matches:
-        raise DataError(f"{path}: no such file, directory or glob match")
-    return matches
-
-
-def _read_local(path: Path) -> Iterator[tuple[dict, str]]:
-    """Yield (row dict, origin) for one local file; origin is 'file:line N' or 'file:row N'."""
-    name = path.name
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: empty file")
-    if name.endswith((".jsonl", ".json")):
-        n = 0
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: line {lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}: line {lineno}: expected a JSON object, got {type(row).__name__}")
-                n += 1
-                yield row, f"{path}: line {lineno}"
-        if n == 0:
-            raise DataError(f"{path}: empty file (no JSON rows)")
-    elif name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if table.num_rows == 0:
-            raise DataError(f"{path}: empty file (0 rows)")
-        # Row numbers are 1-based data rows, as a spreadsheet view would show them.
-        for i, row in enumerate(table.to_pylist(), 1):
-            yield row, f"{path}: row {i}"
-    elif name.endswith(".csv"):
-        csv.field_size_limit(1 << 30)  # fineweb documents exceed the 128 KiB default
-        with open(path, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            if not reader.fieldnames:
-                raise DataError(f"{path}: empty file (no header)")
-            n = 0
-            for i, row in enumerate(reader, 1):
-                n += 1
-                yield row, f"{path}: row {i} (line {reader.line_num})"
-            if n == 0:
-                raise DataError(f"{path}: empty file (header only)")
-    else:
-        raise DataError(f"{path}: unsupported file type (want {', '.join(LOCAL_SUFFIXES)})")
-
-
-def _source_files(source: dict) -> list[Path]:
-    return _resolve_files(source["path"]) if source.get("kind", "local") == "local" else []
-
-
-def iter_rows(source: dict) -> Iterator[tuple[dict, str]]:
-    """Yield (row dict, origin) from a source spec; see the module docstring for the spec."""
-    kind = source.get("kind", "local")
-    if kind == "local":
-        if "path" not in source:
-            raise DataError(f"local source needs a 'path': {source}")
-        for path in _resolve_files(source["path"]):
-            yield from _read_local(path)
-    elif kind == "hf":
-        import datasets
-
-        name = source.get("name")
-        split = source.get("split", "train")
-        label = f"hf:{source['path']}" + (f"/{name}" if name else "") + f":{split}"
-        try:
-            ds = datasets.load_dataset(
-                source["path"], name, split=split, streaming=True, revision=source.get("revision")
-            )
-        except Exception as e:  # network, auth, unknown config: say which source failed
-            raise DataError(f"{label}: cannot open dataset ({type(e).__name__}: {e})") from e
-        rows, i = iter(ds), 0
-        while True:
-            try:
-                row = next(rows)
-            except StopIteration:
-                return
-            except Exception as e:  # a stream can fail part-way (network, rate limit): say where
-                raise DataError(f"{label}: reading failed after row {i} ({type(e).__name__}: {e})") from e
-            i += 1
-            yield row, f"{label}: row {i}"
-    else:
-        raise DataError(f"unknown source kind {kind!r} (want 'hf' or 'local'): {source}")
-
-
-def _column(row: dict, col: str, origin: str, *, required: bool = True) -> str:
-    if col not in row:
-        if not required:
-            return ""
-        raise DataError(f"{origin}: missing column {col!r} (have {sorted(row)})")
-    val = row[col]
-    if val is None and not required:
-        return ""
-    if not isinstance(val, str):
-        raise DataError(f"{origin}: column {col!r} is {type(val).__name__}, expected text")
-    return val
-
-
-def iter_documents(source: dict) -> Iterator[tuple[str, str]]:
-    """Yield (text, origin) for every row of the source, reading ``source['text_column']`` (default text)."""
-    col = source.get("text_column", "text")
-    for row, origin in iter_rows(source):
-        yield _column(row, col, origin), origin
 
 
 def _load_tokenizer(tokenizer: Any):
@@ -219,13 +72,11 @@ def _manifest_path(out_path: str | os.PathLike) -> Path:
     return p.with_suffix(".json") if p.suffix == ".safetensors" else Path(str(p) + ".json")
 
 
-def _write_atomic(out_path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+def _write_outputs(out_path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+    """The tensors and their manifest beside them, each written atomically."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(out_path, tensors, metadata={"manifest": _manifest_path(out_path).name})
-    mpath = _manifest_path(out_path)
-    tmpm = mpath.with_name(mpath.name + ".tmp")
-    tmpm.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmpm, mpath)
+    atomic_write(_manifest_path(out_path), json.dumps(manifest, indent=1) + "\n")
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
@@ -319,12 +170,12 @@ def prepare_transfer_corpus(source: dict, tokenizer: Any, out_path: str | os.Pat
         "tokenizer": _tokenizer_name(tok),
         "eos_token_id": eos,
         "add_bos": bool(bos),
-        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in _source_files(source)],
+        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in source_files(source)],
         "inputs_sha256": stream.hexdigest(),
         "doc_hash": "sha256(utf-8 text)",
         "doc_hashes": hashes,
     }
-    _write_atomic(Path(out_path), {"tokens": tokens}, manifest)
+    _write_outputs(Path(out_path), {"tokens": tokens}, manifest)
     return manifest
 
 
@@ -349,7 +200,7 @@ INSTRUCT_DEFAULTS: dict[str, Any] = {
 PLAIN_TEMPLATE = "### Instruction:\n{instruction}\n\n{context_block}### Response:\n"
 
 
-def format_instruction(tok, instruction: str, context: str, response: str, template: str) -> tuple[str, str]:
+def format_instruction(tok: Any, instruction: str, context: str, response: str, template: str) -> tuple[str, str]:
     """Return (prompt_text, completion_text); training sees prompt + completion, loss on completion only."""
     user = instruction if not context.strip() else f"{instruction}\n\n{context}"
     if template == "chat":
@@ -399,9 +250,9 @@ def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathL
         if cfg["max_examples"] is not None and rows >= cfg["max_examples"]:
             break
         rows += 1
-        instr = _column(row, "instruction", origin)
-        resp = _column(row, "response", origin)
-        ctx = _column(row, "context", origin, required=False)
+        instr = column_text(row, "instruction", origin)
+        resp = column_text(row, "response", origin)
+        ctx = column_text(row, "context", origin, required=False)
         stream.update(json.dumps([instr, ctx, resp]).encode() + b"\0")
         prompt, completion = format_instruction(tok, instr, ctx, resp, template)
         # Tokenize the two parts separately so the mask boundary is exact (no merge across it).
@@ -438,7 +289,7 @@ def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathL
     manifest = {
         "kind": "instruct",
         "source": dict(source),
-        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in _source_files(source)],
+        "files": [{"path": str(p), "sha256": sha256_of(p)} for p in source_files(source)],
         "inputs_sha256": stream.hexdigest(),
         "tokenizer": _tokenizer_name(tok),
         "template": template,
@@ -454,7 +305,7 @@ def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathL
         "val_label_tokens": counts["val"],
         "pad_token_id": pad_id,
     }
-    _write_atomic(Path(out_path), tensors, manifest)
+    _write_outputs(Path(out_path), tensors, manifest)
     return manifest
 
 

@@ -16,10 +16,8 @@ def keep_freed_memory() -> bool:
     By default glibc maps each allocation above a few MB freshly and unmaps it on free, so on CPU
     every large PyTorch temporary (a [2048, vocab] logits tensor, a slab of attention scores) is
     zero-filled by the kernel page by page again on every step. Keeping freed memory in the heap
-    turns that into plain reuse: a distillation step at 2048 tokens went from 4-5 s of system time
-    to 0-3 s and from 19-23 s to 15-18 s of wall time, the default run from 45.7 to 40.7 min
-    (docs/results.md). The price is that a process's memory stays at its peak until it exits,
-    which suits short pipeline jobs.
+    turns that into plain reuse (measured gains: docs/results.md). The price is that a process's
+    memory stays at its peak until it exits, which suits short pipeline jobs.
     A no-op (False) off glibc (macOS, musl) or with HYBRID_LLAMA_KEEP_FREED_MEMORY=0.
     """
     if os.environ.get("HYBRID_LLAMA_KEEP_FREED_MEMORY", "1") == "0":

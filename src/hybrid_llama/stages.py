@@ -19,19 +19,22 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hybrid_llama.pipeline import STAGES
+from hybrid_llama.names import STAGES
 from hybrid_llama.runtime import resolve_dtype
 
+if TYPE_CHECKING:
+    from hybrid_llama.layers import HybridConfig
+
 __all__ = ["STAGES", "load_stage", "load_stage_for_eval", "load_base", "as_hybrid_config", "merge_lora_adapter",
-           "resolve_dtype", "weights_hash"]
+           "weights_hash"]
 
 
-def as_hybrid_config(hybrid: Any):
+def as_hybrid_config(hybrid: Any) -> HybridConfig | None:
     """A ``HybridConfig`` from a dict or a HybridConfig (None stays None)."""
     from hybrid_llama.layers import HybridConfig
 
@@ -40,12 +43,12 @@ def as_hybrid_config(hybrid: Any):
     return HybridConfig.from_dict(dict(hybrid))
 
 
-def load_base(model_dir: str | os.PathLike, *, dtype: Any = None, device: Any = None):
-    """(model, tokenizer) of a resolved model directory (``hybrid_llama.weights.load_model``), eval mode.
+def load_base(model_dir: str | os.PathLike, *, dtype: Any = None, device: Any = None) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of a resolved model directory (``hybrid_llama.models.load_model``), eval mode.
 
     ``dtype`` defaults to float32 (training and adapter merging want fp32 weights).
     """
-    from hybrid_llama.weights import load_model
+    from hybrid_llama.models import load_model
 
     return load_model(model_dir, dtype=resolve_dtype(dtype) or torch.float32, device=device)
 
@@ -115,7 +118,7 @@ def merge_lora_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
 
     Each target weight gets ``(B @ A) * lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) added, and
     every ``modules_to_save`` tensor (mixing logits, feature maps) is copied over. Evaluation jobs
-    load adapters this way so they skip importing peft (~6 s each); anything the adapter holds that
+    load adapters this way to skip importing peft, which is slow; anything the adapter holds that
     does not match a parameter of ``model``, or a setting outside plain LoRA, is an error.
     """
     import json

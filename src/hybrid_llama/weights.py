@@ -11,8 +11,11 @@
   byte-level tokenizer built on the spot; no download.
 
 Every error is a ``ModelSpecError`` naming the spec and the cause. Outputs are written to a temporary
-directory next to ``dest`` and renamed into place, so ``dest`` is either complete or absent. A
-``dest`` that already holds the same spec is reused.
+directory next to ``dest`` and renamed into place (``hybrid_llama.files.atomic_path``), so ``dest``
+is either complete or absent. A ``dest`` that already holds the same spec is reused.
+
+Loading such a directory is ``hybrid_llama.models.load_model``'s job. This module imports torch only
+inside the builders: the workflow reads the tables below at parse time.
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybrid_llama.files import sha256_of
+from hybrid_llama.files import atomic_path, sha256_of
 from hybrid_llama.runtime import resolve_dtype
 
-if TYPE_CHECKING:  # torch is imported where it is used: the workflow reads the tables below at parse time
-    import torch
+if TYPE_CHECKING:  # transformers is imported where it is used
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 SPEC_FILE = "hybrid_llama_spec.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -136,45 +138,22 @@ def resolve_model(spec: dict, dest: str | Path) -> Path:
             return dest
         raise ModelSpecError(spec, f"destination {dest} exists and holds something else; remove it first")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary shared directory
     try:
-        builders[kind](spec, tmp)
-        missing = _missing_files(tmp)
-        if missing:
-            raise ModelSpecError(spec, f"the result lacks {missing}")
-        (tmp / SPEC_FILE).write_text(json.dumps(_jsonable(spec), indent=2, sort_keys=True) + "\n")
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not _holds(dest, spec):  # unless a concurrent run just wrote the same thing
-                raise
+        with atomic_path(dest) as tmp:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed run that had our pid
+            tmp.mkdir()
+            os.chmod(tmp, 0o755)  # an ordinary shared directory, whatever the umask
+            builders[kind](spec, tmp)
+            missing = _missing_files(tmp)
+            if missing:
+                raise ModelSpecError(spec, f"the result lacks {missing}")
+            (tmp / SPEC_FILE).write_text(json.dumps(_jsonable(spec), indent=2, sort_keys=True) + "\n")
     except ModelSpecError:
         raise
     except Exception as exc:
         raise ModelSpecError(spec, f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {dest}")
     return dest
-
-
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device=None):
-    """``(model, tokenizer)`` from a resolved directory; hybrid checkpoints load via ``load_hybrid``."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    path = Path(path)
-    dtype = resolve_dtype(dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if getattr(LlamaConfig.from_pretrained(path), "hybrid", None) is not None:
-        from hybrid_llama.models import load_hybrid
-
-        model = load_hybrid(path, dtype=dtype, device=device)
-    else:
-        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else "auto")
-        model = model.to(device=device).eval()
-    return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -334,7 +313,7 @@ def _build_local(spec: dict, out: Path) -> None:
 # -------------------------------------------------------------------------------------------- random
 
 
-def random_config(spec: dict):
+def random_config(spec: dict) -> LlamaConfig:
     """The ``LlamaConfig`` of a ``random`` spec: preset, then overrides (every key but kind/preset/seed/dtype)."""
     from transformers import LlamaConfig
 
@@ -379,7 +358,7 @@ def _byte_to_char() -> dict[int, str]:
     return table
 
 
-def byte_tokenizer():
+def byte_tokenizer() -> PreTrainedTokenizerFast:
     """Deterministic byte-level tokenizer: ``<pad>``=0, ``<s>``=1, ``</s>``=2, byte b = 3 + b.
 
     Encoding adds ``<s>``; decoding reverses the byte mapping, so any UTF-8 text round-trips.

@@ -1,7 +1,8 @@
-# Thin wrappers around hybrid_llama.pipeline, which owns the workflow's vocabulary: the stages and
-# result slots, the table of artifact paths, the per-rule views of the config (each rule's params
-# hold only the keys it uses, so Snakemake reruns exactly what a change affects), the semantic
-# checks (run here, at parse time, before any job) and the target lists.
+# Thin wrappers around hybrid_llama.pipeline, which owns the workflow's vocabulary: the table of
+# artifact paths and result slots (pipeline.paths), the per-rule views of the config and the target
+# lists (pipeline.views: each rule's params hold only the keys it uses, so Snakemake reruns exactly
+# what a change affects) and the semantic checks (pipeline.checks, run here at parse time, before
+# any job). Config defaults and merging come from hybrid_llama.config.
 
 import os
 import sys
@@ -18,13 +19,13 @@ os.environ.update(
     PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 )
 
-from hybrid_llama import pipeline  # noqa: E402
-from hybrid_llama.pipeline import SHARED_STAGES, canonical, is_cuda, path  # noqa: E402
+from hybrid_llama.config import ConfigError, canonical  # noqa: E402
+from hybrid_llama.pipeline import Pipeline, is_cuda, path  # noqa: E402
 
 try:
-    P = pipeline.Pipeline(config, Path(workflow.basedir))
+    P = Pipeline(config, Path(workflow.basedir))
     P.check()
-except pipeline.ConfigError as e:
+except ConfigError as e:
     raise WorkflowError(str(e)) from None
 
 MODELS, VARIANTS, DEVICES = list(P.models), list(P.variants), P.devices

@@ -8,7 +8,7 @@ from common import start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.files import sha256_of
+from hybrid_llama.files import atomic_write, sha256_of
 from hybrid_llama.weights import resolve_model
 
 dest = Path(snakemake.output.config).parent
@@ -16,5 +16,5 @@ dest = Path(snakemake.output.config).parent
 shutil.rmtree(dest, ignore_errors=True)
 dest = resolve_model(dict(snakemake.params.spec), dest)
 hashes = {p.name: sha256_of(p) for p in sorted(Path(dest).glob("*.safetensors"))}
-Path(dest, "hashes.json").write_text(json.dumps(hashes, indent=1) + "\n")
+atomic_write(Path(dest, "hashes.json"), json.dumps(hashes, indent=1) + "\n")
 print(json.dumps({"dest": str(dest), "sha256": hashes}, indent=1))

@@ -345,8 +345,7 @@ def build_throughput_variants(
     defaults to every layer). ``triton`` is left out without CUDA/triton, ``seed_naive`` while
     ``hybrid_llama.ops.BACKENDS`` does not list it.
     """
-    from hybrid_llama.models import convert_to_hybrid
-    from hybrid_llama.weights import load_model
+    from hybrid_llama.models import convert_to_hybrid, load_model
 
     tdtype = resolve_dtype(dtype)
     cfg = {k: v for k, v in dict(hybrid_cfg).items() if k != "backend"}

@@ -1,4 +1,4 @@
-"""Integration with transformers: conversion, hybrid-aware cache, save/load (docs/design.md)."""
+"""Integration with transformers: conversion, hybrid-aware cache, loading and saving models (docs/design.md)."""
 
 from hybrid_llama.layers import HybridCacheLayer, HybridConfig, HybridLlamaAttention, MixingLogits
 
@@ -10,7 +10,7 @@ from .convert import (
     hybrid_parameter_names,
     make_hybrid_attention,
 )
-from .io import load_hybrid, load_hybrid_layers, save_hybrid
+from .io import load_hybrid, load_hybrid_layers, load_model, save_hybrid
 
 __all__ = [
     "HybridCacheLayer",
@@ -25,6 +25,7 @@ __all__ = [
     "hybrid_parameter_names",
     "load_hybrid",
     "load_hybrid_layers",
+    "load_model",
     "make_hybrid_attention",
     "save_hybrid",
 ]

@@ -1,18 +1,21 @@
-"""Save and load hybrid models as safetensors + config.json (no custom code, no pickle)."""
+"""Models on disk: load a resolved model directory, save and load hybrid models as safetensors +
+config.json (no custom code, no pickle)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hybrid_llama.files import save_safetensors
 from hybrid_llama.layers import HybridConfig
+from hybrid_llama.runtime import resolve_dtype
 
 from .convert import convert_to_hybrid, hybrid_config_of, hybrid_parameter_names
 
@@ -68,6 +71,22 @@ def load_hybrid(path: str | Path, *, dtype: torch.dtype | None = None, device=No
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.to(device=device).eval()
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: Any = None
+) -> tuple[LlamaForCausalLM, Any]:
+    """``(model, tokenizer)`` of a model directory (``hybrid_llama.weights.resolve_model``'s output, or
+    a checkpoint of ``save_hybrid``: a config.json with a "hybrid" block loads via ``load_hybrid``)."""
+    path = Path(path)
+    dtype = resolve_dtype(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if getattr(LlamaConfig.from_pretrained(path), "hybrid", None) is not None:
+        model = load_hybrid(path, dtype=dtype, device=device)
+    else:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else "auto")
+        model = model.to(device=device).eval()
+    return model, tokenizer
 
 
 def _empty_llama(config: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:

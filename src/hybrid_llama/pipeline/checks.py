@@ -1,0 +1,134 @@
+"""The config checks JSON Schema cannot express, run at parse time so a bad config fails before any job.
+
+Each failure is a ``ConfigError`` naming the key to change: a variant's own override
+(``variants[v].transfer.seq_len``) when it has one, else the top-level key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybrid_llama.config import ConfigError
+from hybrid_llama.weights import known_architecture
+
+from .paths import path
+
+if TYPE_CHECKING:  # views imports this module; the checks only read a Pipeline
+    from .views import Pipeline
+
+__all__ = ["check_config", "model_architecture"]
+
+
+def model_architecture(p: Pipeline, model: str) -> dict:
+    """num_hidden_layers / max_position_embeddings of a model, from its resolved config.json, a
+    local directory, a random preset or the known sources; {} when unknown before download."""
+    spec = p.models[model]
+    candidates = [Path(path("weights", model=model))]  # resolved already (relative to the workdir)
+    if spec["kind"] == "local":
+        candidates.insert(0, Path(spec["path"]) / "config.json")
+    for file in candidates:
+        if file.is_file():
+            try:
+                return json.loads(file.read_text())
+            except ValueError:
+                pass
+    return known_architecture(spec)
+
+
+def check_config(p: Pipeline) -> None:
+    """Raise ConfigError (naming the key) for what the schema cannot catch."""
+    for model in p.models:
+        n_layers = model_architecture(p, model).get("num_hidden_layers")
+        for v in p.variants:
+            _check_layers(f"variants[{v}].hybrid.layers", p.hybrid(v)["layers"], model, n_layers)
+            _check_layers(f"variants[{v}].lora.layers", p.lora(v).get("layers"), model, n_layers)
+        _check_layers("base_lora.layers", p.lora("base_lora").get("layers"), model, n_layers)
+
+    for name in ("transfer", "instruct", "mmlu"):
+        cfg = p.config["data"][name]
+        if cfg["source"] == "local" and not p.local_data_path(cfg["local"]).exists():
+            raise ConfigError(
+                f"data.{name}.local",
+                f"{p.local_data_path(cfg['local'])} does not exist (shared_data = {p.shared_data()})",
+            )
+
+    subjects = p.config["mmlu"]["subjects"]
+    if p.data_kind("mmlu") == "local" and subjects:
+        test_dir = p.local_data_path(p.config["data"]["mmlu"]["local"]) / "test"
+        missing = [s for s in subjects if not (test_dir / f"{s}_test.csv").is_file()]
+        if missing:
+            raise ConfigError("mmlu.subjects", f"unknown subjects {missing} (no file in {test_dir})")
+
+    for v in p.variants:
+        _check_training(p, v)
+        _check_sparse_cache(p, v)
+
+
+def _check_sparse_cache(p: Pipeline, v: str) -> None:
+    h = p.hybrid(v)
+    if (h.get("sparse_cache") or h.get("sinks")) and h["formulation"] != "lolcats":
+        key = "sparse_cache" if h.get("sparse_cache") else "sinks"
+        raise ConfigError(
+            f"variants[{v}].hybrid.{key}",
+            f"the sparse cache joins the shared normalizer of formulation 'lolcats'; variant '{v}' uses "
+            f"'{h['formulation']}'",
+        )
+
+
+def _key(p: Pipeline, variant: str, section: str, key: str) -> str:
+    """The config key a variant's setting comes from (its override, else the top-level one)."""
+    own = p.variants[variant].get(section) or {}
+    return f"variants[{variant}].{section}.{key}" if key in own else f"{section}.{key}"
+
+
+def _check_training(p: Pipeline, v: str) -> None:
+    hybrid, t, lora = p.hybrid(v), p.transfer(v), p.lora(v)
+    if p.trained(v, "transfer") and p.transfer_owner(v) == v:  # a derived variant's transfer is checked once
+        parts = set(t["trainable"].split("+"))
+        if hybrid["feature_map"] == "elu1" and parts == {"feature_map"}:
+            raise ConfigError(
+                _key(p, v, "transfer", "trainable"),
+                f"'{t['trainable']}' selects nothing: variant '{v}' uses elu1, which has no parameters",
+            )
+        if hybrid["formulation"] == "window" and "qkvo" not in parts:
+            raise ConfigError(
+                _key(p, v, "transfer", "trainable"),
+                f"'{t['trainable']}' trains nothing a window-only layer ('formulation: window') uses",
+            )
+        for model in p.models:
+            positions = model_architecture(p, model).get("max_position_embeddings")
+            if positions is not None and t["seq_len"] > positions:
+                raise ConfigError(
+                    _key(p, v, "transfer", "seq_len"),
+                    f"{t['seq_len']} tokens is longer than model '{model}' has positions ({positions})",
+                )
+        if t["num_tokens"] is not None:
+            rows = t["num_tokens"] // t["seq_len"]
+            need = {"transfer": t["eval_sequences"] + t["batch_size"]}
+            if p.trained(v, "transfer_lora") and lora["objective"] == "distill":
+                need["LoRA (objective distill)"] = lora["eval_sequences"] + lora["batch_size"]
+            for what, n in need.items():
+                if rows < n:
+                    raise ConfigError(
+                        _key(p, v, "transfer", "num_tokens"),
+                        f"{t['num_tokens']} tokens make {rows} rows of seq_len {t['seq_len']}; {what} of variant "
+                        f"'{v}' needs at least {n} (eval_sequences + one batch)",
+                    )
+    if p.trained(v, "transfer_lora") and lora["objective"] == "distill" and hybrid["formulation"] == "window":
+        raise ConfigError(_key(p, v, "lora", "objective"), "a window-only variant has no hybrid layers to distill")
+    if "base_lora" in p.stages and p.lora("base_lora")["objective"] != "instruct":
+        raise ConfigError("base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')")
+
+
+def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int | None) -> None:
+    if layers is None or n_layers is None:
+        return
+    bad = [i for i in layers if i >= n_layers]
+    if bad:
+        raise ConfigError(
+            key,
+            f"layer index {bad[0]} is beyond model '{model}', which has {n_layers} layers "
+            f"(valid: 0..{n_layers - 1})",
+        )

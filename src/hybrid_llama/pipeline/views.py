@@ -1,0 +1,305 @@
+"""``Pipeline``: a validated config seen the way each rule needs it, and the workflow's targets.
+
+Each rule's params hold only the keys it uses (canonical, so key order never looks like a change),
+so Snakemake reruns exactly what a config change affects. The config arrives with the schema's
+defaults filled in (the Snakefile validates it against ``config/schema.yaml``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hybrid_llama.config import ConfigError, canonical, deep_merge
+from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
+
+from .checks import check_config
+from .paths import PATHS, QUALITY_KINDS, STAGE_ARTIFACTS, WILDCARD_PATTERNS, path, shared_data_dir
+from .variants import hybrid_settings, lora_owner, resolve_variants, transfer_owner
+
+__all__ = ["Pipeline"]
+
+
+def _corpus_wildcards(transfer: dict) -> dict[str, str]:
+    """The corpus wildcards ``{seq_len, num_tokens}`` of a transfer section (num_tokens None = "all")."""
+    num_tokens = transfer["num_tokens"]
+    return {"seq_len": str(transfer["seq_len"]), "num_tokens": "all" if num_tokens is None else str(num_tokens)}
+
+
+class Pipeline:
+    """A config validated against the schema (defaults filled), with its views, checks and targets."""
+
+    def __init__(self, config: dict, repo: str | os.PathLike) -> None:
+        self.config = config
+        self.repo = Path(repo)
+        self.models = self._by_name("models")
+        self.own = self._by_name("variants")  # each variant's entry as written
+        self.variants = resolve_variants(self.own)  # with its parent's settings filled in ('from')
+        self.devices = list(config["devices"])
+        self.stages = [s for s in STAGES if s in config["stages"]]
+
+    def _by_name(self, section: str) -> dict[str, dict]:
+        """{name: entry without 'name'} of a named list (models, variants); duplicate names fail."""
+        out: dict[str, dict] = {}
+        for i, entry in enumerate(self.config[section]):
+            name = entry["name"]
+            if name in out:
+                raise ConfigError(f"{section}[{i}].name", f"duplicate name '{name}'")
+            out[name] = {k: v for k, v in entry.items() if k != "name"}
+        return out
+
+    def check(self) -> None:
+        """Raise ConfigError (naming the key) for what the schema cannot catch (see ``checks``)."""
+        check_config(self)
+
+    # ---- data
+
+    def shared_data(self) -> Path:
+        return shared_data_dir(self.config.get("shared_data", "auto"), self.repo)
+
+    def local_data_path(self, rel: str) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else self.shared_data() / p
+
+    def data_kind(self, name: str) -> str:
+        """'local' or 'hf' for data set ``name`` (transfer | instruct | mmlu), resolving 'auto'."""
+        cfg = self.config["data"][name]
+        if cfg["source"] != "auto":
+            return cfg["source"]
+        return "local" if self.local_data_path(cfg["local"]).exists() else "hf"
+
+    def data_source(self, name: str) -> dict:
+        """The ``hybrid_llama.data`` source spec of data set ``name`` (transfer | instruct)."""
+        cfg = self.config["data"][name]
+        if self.data_kind(name) == "local":
+            spec = {"kind": "local", "path": str(self.local_data_path(cfg["local"]))}
+        else:
+            spec = {"kind": "hf", **cfg["hf"]}
+        if name == "transfer":
+            spec["text_column"] = cfg["text_column"]
+        return canonical(spec)
+
+    def data_settings(self, name: str) -> dict:
+        """The prepare_* keyword arguments of data set ``name`` (everything but where it comes from;
+        for the transfer corpus also without seq_len/num_tokens, which each variant sets)."""
+        skip = {"source", "local", "hf", "text_column"}
+        out = {k: v for k, v in self.config["data"][name].items() if k not in skip}
+        if name == "transfer":
+            out["split"] = "train" if out["heldout_fraction"] > 0 else "all"
+        return canonical(out)
+
+    def local_data_inputs(self, name: str) -> list[str]:
+        """The local file of a data set, as an input (so a changed file reruns its rule)."""
+        if self.data_kind(name) != "local":
+            return []
+        p = self.local_data_path(self.config["data"][name]["local"])
+        return [str(p)] if p.is_file() else []
+
+    def mmlu_data(self) -> dict:
+        if self.data_kind("mmlu") == "local":
+            return {"kind": "local", "path": str(self.local_data_path(self.config["data"]["mmlu"]["local"]))}
+        # Downloaded once by the local rule mmlu_download into the same layout as the mirror.
+        return {"kind": "local", "path": str(Path(PATHS["mmlu_manifest"]).parent)}
+
+    def mmlu_settings(self) -> dict:
+        """MMLU params shared by every MMLU job; shots and format are wildcards, not params."""
+        keep = ("limit", "subjects", "batch_size", "dtype")
+        return canonical({"data": self.mmlu_data(), **{k: self.config["mmlu"][k] for k in keep}})
+
+    # ---- per-variant settings
+
+    def hybrid(self, variant: str) -> dict:
+        return canonical(hybrid_settings(self.variants[variant]["hybrid"]))
+
+    def transfer_owner(self, variant: str) -> str:
+        return transfer_owner(self.own, variant)
+
+    def lora_owner(self, variant: str) -> str:
+        return lora_owner(self.own, variant)
+
+    def transfer(self, variant: str) -> dict:
+        """The variant's transfer section: top-level defaults with its overrides."""
+        return canonical(deep_merge(self.config["transfer"], self.variants[variant].get("transfer")))
+
+    def transfer_train(self, variant: str) -> dict:
+        """What ``run_transfer`` gets: the transfer section without the corpus keys (the corpus is
+        its input file)."""
+        return {k: v for k, v in self.transfer(variant).items() if k not in ("seq_len", "num_tokens")}
+
+    def corpus(self, variant: str) -> dict[str, str]:
+        """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""
+        return _corpus_wildcards(self.transfer(variant))
+
+    def corpus_settings(self, seq_len: str, num_tokens: str) -> dict:
+        """``prepare_transfer_corpus`` settings of the corpus with these wildcards."""
+        return {**self.data_settings("transfer"), "seq_len": int(seq_len),
+                "num_tokens": None if num_tokens == "all" else int(num_tokens)}
+
+    def lora(self, variant: str) -> dict:
+        """LoRA settings of a variant; 'base_lora' gives the control's settings."""
+        if variant == "base_lora":
+            return canonical(deep_merge(self.config["lora"], self.config["base_lora"]))
+        return canonical(deep_merge(self.config["lora"], self.variants[variant].get("lora")))
+
+    def variant_stages(self, variant: str) -> list[str]:
+        """The stages evaluated for a variant: its own 'stages', else the top-level variant stages."""
+        own = self.variants[variant].get("stages")
+        wanted = own if own is not None else [s for s in self.stages if s in VARIANT_STAGES]
+        return [s for s in VARIANT_STAGES if s in wanted]
+
+    def trained(self, variant: str, stage: str) -> bool:
+        """Whether the variant's models at ``stage`` are needed (evaluated, or built upon)."""
+        return stage in self.variant_stages(variant) or (
+            stage == "transfer" and "transfer_lora" in self.variant_stages(variant))
+
+    def component_stages(self, variant: str) -> list[str]:
+        """The component diagnostic's stages: the evaluated ones plus 'transfer' whenever it trains.
+        The window/linear share right after transfer is what attention transfer learned, and costs
+        one short forward where the other evaluations of that stage may be cut for time."""
+        own_transfer = self.transfer_owner(variant) == variant  # a derived variant's transfer is its parent's
+        return [s for s in VARIANT_STAGES
+                if s in self.variant_stages(variant) or (own_transfer and self.trained(variant, s))]
+
+    def section(self, *keys: str) -> Any:
+        """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
+        node = self.config
+        for key in keys:
+            node = node[key]
+        return canonical(node)
+
+    # ---- stages, slots and the files a stage's model is built from
+
+    def eval_slots(self) -> list[tuple[str, str]]:
+        """(slot, stage) pairs to evaluate: shared stages once, variant stages per variant."""
+        pairs = [(s, s) for s in self.stages if s in SHARED_STAGES]
+        return pairs + [(v, s) for v in self.variants for s in self.variant_stages(v)]
+
+    def stage_inputs(self, model: str, slot: str, stage: str) -> dict[str, str]:
+        """The files a stage's model is built from: weights (+ transfer layers) (+ LoRA adapter)."""
+        if (slot in SHARED_STAGES) != (stage in SHARED_STAGES) or (slot in SHARED_STAGES and slot != stage):
+            raise ValueError(f"stage '{stage}' is not evaluated under '{slot}'")
+        files = {"weights": path("weights", model=model)}
+        owners = {"hybrid_layers": ("layers", self.transfer_owner), "adapter": ("adapter", self.lora_owner)}
+        for artifact in STAGE_ARTIFACTS[stage]:
+            name, owner = owners[artifact]
+            files[name] = path(artifact, model=model, variant=slot if slot in SHARED_STAGES else owner(slot))
+        return files
+
+    def stage_hybrid(self, slot: str, stage: str) -> dict | None:
+        """The hybrid settings of a stage's model (None for the plain model)."""
+        return self.hybrid(slot) if stage in VARIANT_STAGES else None
+
+    def lora_slots(self) -> list[str]:
+        """The LoRA jobs: one per variant that owns an adapter some evaluated stage needs."""
+        slots = list(dict.fromkeys(self.lora_owner(v) for v in self.variants if self.trained(v, "transfer_lora")))
+        return slots + (["base_lora"] if "base_lora" in self.stages else [])
+
+    def transfer_slots(self) -> list[str]:
+        """The transfer jobs: one per variant that owns layers some evaluated stage needs."""
+        return list(dict.fromkeys(self.transfer_owner(v) for v in self.variants if self.trained(v, "transfer")))
+
+    def throughput_variants(self) -> list[str]:
+        """The variants whose speed is measured: the trained ones and those derived from them (an
+        untrained control only shows quality), or every variant when none trains."""
+        return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
+
+    def corpus_files(
+        self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
+    ) -> list[str]:
+        """The transfer corpora of the trained variants (one per distinct seq_len/num_tokens); when no
+        variant trains, the top-level transfer section's corpus (perplexity reads its held-out split)."""
+        variants = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
+        corpora = [self.corpus(v) for v in variants] or [_corpus_wildcards(self.config["transfer"])]
+        unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
+        return [path(name, model=model, **dict(c)) for c in unique]
+
+    def lora_data(self, model: str, variant: str) -> str:
+        """The LoRA stage's data: instruction data, or the variant's transfer corpus (objective distill)."""
+        if variant != "base_lora" and self.lora(variant)["objective"] == "distill":
+            return path("transfer_corpus", model=model, **self.corpus(variant))
+        return path("instruct_data", model=model)
+
+    def lora_inputs(self, model: str, variant: str) -> dict[str, str]:
+        """The transfer artifacts a variant's LoRA stage starts from (its transfer owner's)."""
+        owner = self.transfer_owner(variant)
+        return {a: path(f, model=model, variant=owner) for a, f in (("layers", "hybrid_layers"),
+                                                                    ("teacher_states", "teacher_states"))}
+
+    # ---- targets
+
+    def mmlu_files(self, model: str, fmt: str | None = None) -> list[str]:
+        fmts = [fmt] if fmt else self.config["mmlu"]["formats"]
+        return [
+            path("mmlu", model=model, variant=slot, device=d, stage=stage, fmt=f, shots=shots)
+            for d in self.devices
+            for slot, stage in self.eval_slots()
+            for f in fmts
+            for shots in self.config["mmlu"]["shots"]
+        ]
+
+    def stage_quality_files(self, model: str, variant: str, device: str, kind: str) -> list[str]:
+        """Per-stage quality CSVs that make up one variant's table: every evaluated stage, shared ones
+        included, except for the component diagnostic (hybrid stages only, see component_stages)."""
+        if kind == "components":
+            shared, own = [], self.component_stages(variant)
+        else:
+            shared, own = [s for s in self.stages if s in SHARED_STAGES], self.variant_stages(variant)
+        return [
+            path(
+                "stage_quality",
+                model=model,
+                variant=s if s in SHARED_STAGES else variant,
+                device=device,
+                stage=s,
+                kind=kind,
+            )
+            for s in [*shared[:1], *own, *shared[1:]]
+        ]
+
+    def report_inputs(self) -> dict[str, list[str]]:
+        m_, v_, d_ = list(self.models), list(self.variants), self.devices
+        plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
+        plots += [path(k, model=m, device=d) for m in m_ for d in d_
+                  for k in ("plot_throughput", "plot_memory", "plot_nll", "plot_passkey", "plot_components")]
+        plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in self.transfer_slots()]
+        plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
+        return {
+            "mmlu": [f for m in m_ for f in self.mmlu_files(m)],
+            "quality": [
+                path("quality", model=m, variant=v, device=d, kind=k)
+                for m in m_
+                for v in v_
+                for d in d_
+                for k in QUALITY_KINDS
+            ],
+            "throughput": [path("throughput", model=m, device=d) for m in m_ for d in d_],
+            "generations": [
+                path("generations", model=m, variant=slot, stage=stage) for m in m_ for slot, stage in self.eval_slots()
+            ],
+            "plots": plots,
+            "transfer_metrics": [
+                path("transfer_metrics", model=m, variant=v) for m in m_ for v in self.transfer_slots()
+            ],
+            "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
+            "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
+            + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
+        }
+
+    def _uses_instruct(self) -> bool:
+        return any(s == "base_lora" or self.lora(s)["objective"] == "instruct" for s in self.lora_slots())
+
+    def wildcard_constraints(self) -> dict[str, str]:
+        alternatives = lambda names: "|".join(re.escape(n) for n in names)  # noqa: E731
+        return {
+            "model": alternatives(self.models),
+            "variant": alternatives([*self.variants, *SHARED_STAGES]),
+            "stage": alternatives(STAGES),
+            "device": WILDCARD_PATTERNS["device"],
+            "fmt": alternatives(MMLU_FORMATS),
+            "shots": WILDCARD_PATTERNS["shots"],
+            "seq_len": WILDCARD_PATTERNS["seq_len"],
+            "num_tokens": WILDCARD_PATTERNS["num_tokens"],
+        }
