@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import hybrid_llama.ops as ops
+import hybrid_llama.ops.chunked as chunked_module
 from hybrid_llama.ops import HedgehogFeatureMap, elu1, hybrid_attention
 from hybrid_llama.ops.chunked import hybrid_attention_chunked
 from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
@@ -378,7 +379,7 @@ def test_dispatcher_passes_gqa_kv_to_chunked_unexpanded(monkeypatch, formulation
     def no_expand(*args):
         raise AssertionError("expand_kv called on the native GQA path")
 
-    monkeypatch.setattr(ops, "expand_kv", no_expand)
+    monkeypatch.setattr(chunked_module, "expand_kv", no_expand)  # chunked must read the KV heads in place
     got, _ = hybrid_attention(
         q, k, v, wl, ll, window=w, formulation=formulation, key_padding_mask=mask, backend="chunked"
     )
@@ -396,7 +397,7 @@ def test_chunked_gqa_with_per_head_feature_map_expands_kv(monkeypatch):
     want = naive(q, expand(k, H), expand(v, H), wl, ll, w, phi=fmap)
     calls = []
     expand_kv = ops.expand_kv
-    monkeypatch.setattr(ops, "expand_kv", lambda *a: calls.append(1) or expand_kv(*a))
+    monkeypatch.setattr(chunked_module, "expand_kv", lambda *a: calls.append(1) or expand_kv(*a))
     got = hybrid_attention_chunked(q, k, v, wl, ll, window=w, feature_map=fmap, chunk_size=w, slab_size=2 * w)[0]
     assert calls == [1]
     assert_same(got, want)

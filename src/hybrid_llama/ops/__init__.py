@@ -25,12 +25,14 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import Tensor
 
-from .decode import HybridState, hybrid_attention_step_torch, init_state, prefill_state
+from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
+from .gqa import expand_kv
 from .reference import check_inputs, hybrid_attention_reference
 from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse
 from .sparse_decode import hybrid_attention_step_sparse, init_sparse_state
 from .sparse_reference import hybrid_attention_sparse_reference
+from .state import HybridState, init_state, prefill_state
 
 __all__ = [
     "hybrid_attention",
@@ -59,18 +61,6 @@ def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
         return getattr(mod, attr), ""
     except Exception as exc:  # ImportError, missing triton, no CUDA driver, missing attribute...
         return None, f"{type(exc).__name__}: {exc}"
-
-
-def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """GQA k/v ``[B, H_kv, T, D]`` repeated to q's H heads (query head h reads KV head h // (H / H_kv)),
-    as transformers' ``repeat_kv`` does; k/v that already have H heads are returned as they are."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads == heads:
-        return k, v
-    if k.dim() != 4 or v.shape[:3] != k.shape[:3] or heads % kv_heads:
-        raise ValueError(f"k/v {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)} (need H % H_kv == 0)")
-    groups = heads // kv_heads
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def _fall_back(op: str, reason: str) -> None:

@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .decode import HybridState, prefill_state
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .gqa import expand_kv
 from .reference import check_inputs, combine, mixing_weights
+from .state import HybridState, prefill_state
 
 SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cache-sized, heap-reused)
 
@@ -89,8 +90,6 @@ def hybrid_attention_chunked(
     check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
     g = q.shape[1] // k.shape[1]  # query heads per KV head (GQA), 1 when k/v have H heads
     if g > 1 and keys_need_query_heads(feature_map):
-        from . import expand_kv  # (lazy: the package imports this module lazily too)
-
         k, v = expand_kv(q, k, v)
         g = 1
     out_dtype = q.dtype

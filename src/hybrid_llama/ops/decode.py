@@ -5,152 +5,21 @@ The state holds a ring buffer of the last ``w`` keys/values plus the running lin
 position ``t`` lives in slot ``t % w``; writing it evicts position ``t - w``, which is folded into
 ``S`` and ``z``. Per-token cost and memory are independent of the context length.
 
-Steps are functional: they return a new ``HybridState`` and never modify the old one, so they are
-safe under autograd and for cache reordering.
+The state itself (and how a prefill builds it) lives in ``state``. Steps are functional: they return
+a new ``HybridState`` and never modify the old one, so they are safe under autograd and for cache
+reordering; a cache that owns its state may let the step update it in place (``inplace``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, feature_dim_of, keys_need_query_heads, resolve_qk_maps
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .reference import FORMULATIONS, combine, mixing_weights
-from .sparse_cache import SparseState
-
-
-@dataclass
-class HybridState:
-    k_window: Tensor  # [B, H, w, D] ring buffer of the last w keys (post-RoPE)
-    v_window: Tensor  # [B, H, w, D]
-    window_valid: Tensor  # [B, w] bool: slot holds a real (non-pad) key
-    S: Tensor  # [B, H, F, D] fp32, sum of phi(k) v^T over keys that left the window
-    z: Tensor  # [B, H, F]    fp32, sum of phi(k)
-    seen: int  # tokens consumed; the next token goes to slot seen % w
-    sparse: SparseState | None = None  # sinks, pending block and sparse cache (sparse_cache module)
-
-    @property
-    def window(self) -> int:
-        return self.k_window.shape[2]
-
-    def index_select(self, batch_index: Tensor) -> HybridState:
-        """The state of the rows ``batch_index`` (beam search / batch reordering)."""
-        pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
-        return HybridState(
-            pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen,
-            None if self.sparse is None else self.sparse.map(lambda _, t: pick(t)),
-        )
-
-    def detach(self) -> HybridState:
-        """The same state cut from autograd (a cache never backpropagates into its prefill)."""
-        return HybridState(
-            self.k_window.detach(), self.v_window.detach(), self.window_valid, self.S.detach(), self.z.detach(),
-            self.seen, None if self.sparse is None else self.sparse.map(lambda _, t: t.detach()),
-        )
-
-    def nbytes(self) -> int:
-        """Bytes held: the window ring, the linear sums and the sparse memories (fixed in T)."""
-        own = (self.k_window, self.v_window, self.window_valid, self.S, self.z)
-        return sum(t.numel() * t.element_size() for t in own) + (0 if self.sparse is None else self.sparse.nbytes())
-
-    def to(self, device=None, dtype=None) -> HybridState:
-        """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
-        return HybridState(
-            self.k_window.to(device=device, dtype=dtype),
-            self.v_window.to(device=device, dtype=dtype),
-            self.window_valid.to(device=device),
-            self.S.to(device=device),
-            self.z.to(device=device),
-            self.seen,
-            None if self.sparse is None else self.sparse.map(
-                lambda name, t: t.to(device=device, dtype=dtype if name.endswith(("_k", "_v")) else None)
-            ),
-        )
-
-
-def init_state(
-    batch: int,
-    heads: int,
-    head_dim: int,
-    window: int,
-    *,
-    feature_dim: int | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> HybridState:
-    """Empty state. ``feature_dim`` is F, the width of phi's output (default ``head_dim``, as for elu1;
-    for a ``HedgehogFeatureMap`` pass its ``out_features``)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    f = feature_dim or head_dim
-    dtype = dtype or torch.get_default_dtype()
-    return HybridState(
-        k_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
-        v_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
-        window_valid=torch.zeros(batch, window, device=device, dtype=torch.bool),
-        S=torch.zeros(batch, heads, f, head_dim, device=device, dtype=torch.float32),
-        z=torch.zeros(batch, heads, f, device=device, dtype=torch.float32),
-        seen=0,
-    )
-
-
-def prefill_state(
-    k: Tensor,
-    v: Tensor,
-    *,
-    window: int,
-    feature_map: FeatureMap = "elu1",
-    key_padding_mask: Tensor | None = None,
-    linear_sums: tuple[Tensor, Tensor] | None = None,
-) -> HybridState:
-    """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``.
-
-    ``linear_sums``: ``(S, z)`` over the keys that left the window, when the caller (a prefill op
-    returning its final state) already has them; otherwise they are computed here."""
-    if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
-    B, H, T, D = k.shape
-    real = (
-        key_padding_mask
-        if key_padding_mask is not None
-        else torch.ones(B, T, dtype=torch.bool, device=k.device)
-    )
-    if real.shape != (B, T) or real.dtype != torch.bool:
-        raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
-
-    state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
-    n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
-    if linear_sums is not None:
-        state.S, state.z = linear_sums
-    elif n_lin > 0:
-        state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], real[:, :n_lin], feature_map)
-    kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
-    slots = kept % window
-    k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
-    k_window[:, :, slots] = k[:, :, kept]
-    v_window[:, :, slots] = v[:, :, kept].to(v_window.dtype)
-    valid[:, slots] = real[:, kept]
-    state.k_window, state.v_window, state.window_valid, state.seen = k_window, v_window, valid, T
-    return state
-
-
-def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap) -> tuple[Tensor, Tensor]:
-    """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the
-    given keys; ``real`` ``[B, T]`` bool drops padding."""
-    k_features = resolve_qk_maps(feature_map)[1](k.float())
-    if real is not None:
-        k_features = k_features * real[:, None, :, None]
-    return torch.matmul(k_features.transpose(-1, -2), v.float()), k_features.sum(dim=2)
-
-
-def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
-    try:
-        return feature_dim_of(feature_map, k.shape[-1])
-    except ValueError:  # an arbitrary callable: measure it on one token
-        return resolve_qk_maps(feature_map)[1](k[:1, :, :1].float()).shape[-1]
+from .state import HybridState, init_state, prefill_state  # noqa: F401 (the state's home is state.py)
 
 
 def check_step_shapes(q: Tensor, k: Tensor, v: Tensor, state: HybridState) -> None:

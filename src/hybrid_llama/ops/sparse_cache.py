@@ -28,13 +28,15 @@ per-token simulation that it is tested against lives in ``sparse_reference``; th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .gqa import expand_kv
 from .reference import combine, mixing_weights
+from .state import HybridState, empty_sparse_state, init_state
 
 CACHE_SCORES = ("sre", "random", "attention")
 SRE_EPS = 1e-6
@@ -59,57 +61,6 @@ class SparseCacheConfig:
     @property
     def active(self) -> bool:
         return self.size > 0 or self.sinks > 0
-
-
-@dataclass
-class SparseState:
-    """The decode state's exact memories besides the window ring, per (batch row, KV head).
-
-    Sizes are fixed: ``sinks`` pinned slots, ``w`` pending slots (slot ``(s - sinks) % w``), ``λ``
-    cache slots kept in position order (empty slots: ``cache_pos`` -1, at the end). ``*_acc`` hold the
-    attention each key received so far (read by the ``attention`` score only).
-    """
-
-    sink_k: Tensor  # [B, Hk, n_s, D]
-    sink_v: Tensor
-    sink_valid: Tensor  # [B, n_s] bool
-    pend_k: Tensor  # [B, Hk, w, D]
-    pend_v: Tensor
-    pend_valid: Tensor  # [B, w] bool
-    pend_acc: Tensor  # [B, Hk, w] fp32
-    cache_k: Tensor  # [B, Hk, λ, D]
-    cache_v: Tensor
-    cache_valid: Tensor  # [B, Hk, λ] bool
-    cache_pos: Tensor  # [B, Hk, λ] int64, -1 = empty
-    cache_acc: Tensor  # [B, Hk, λ] fp32
-    win_acc: Tensor  # [B, Hk, w] fp32, per window-ring slot
-
-    def map(self, fn) -> SparseState:
-        """A copy with ``fn`` applied to every tensor (index_select, to, detach)."""
-        return SparseState(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self)))
-
-
-def empty_sparse_state(
-    batch: int, kv_heads: int, head_dim: int, window: int, cfg: SparseCacheConfig, *, device=None, dtype=None
-) -> SparseState:
-    def kv(n: int) -> Tensor:
-        return torch.zeros(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
-
-    lam, ns = cfg.size, cfg.sinks
-    return SparseState(
-        sink_k=kv(ns), sink_v=kv(ns), sink_valid=torch.zeros(batch, ns, dtype=torch.bool, device=device),
-        pend_k=kv(window), pend_v=kv(window),
-        pend_valid=torch.zeros(batch, window, dtype=torch.bool, device=device),
-        pend_acc=torch.zeros(batch, kv_heads, window, device=device),
-        cache_k=kv(lam), cache_v=kv(lam),
-        cache_valid=torch.zeros(batch, kv_heads, lam, dtype=torch.bool, device=device),
-        cache_pos=torch.full((batch, kv_heads, lam), -1, dtype=torch.long, device=device),
-        cache_acc=torch.zeros(batch, kv_heads, lam, device=device),
-        win_acc=torch.zeros(batch, kv_heads, window, device=device),
-    )
 
 
 def random_scores(pos: Tensor, kv_heads: int) -> Tensor:
@@ -200,11 +151,7 @@ def hybrid_attention_sparse(
     ``[B, H_kv, T, D]``. Returns ``(o, final_state)`` (a ``HybridState`` with its ``sparse`` part, or
     None), plus, with ``return_shares``, the normalizer's shares ``[B, H, T, 3]`` of (window,
     sinks + cache + pending, linear state)."""
-    from .decode import HybridState, init_state  # (decode imports this module)
-
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
-        from . import expand_kv
-
         k, v = expand_kv(q, k, v)
     B, H, T, D = q.shape
     Hk, g, w, lam, ns = k.shape[1], H // k.shape[1], window, cache.size, cache.sinks
@@ -280,15 +227,15 @@ def hybrid_attention_sparse(
     final = None
     if output_final_state:
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
-        final = _final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc, HybridState)
+        final = _final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc)
     return (out, final, torch.cat(shares, dim=2)) if return_shares else (out, final)
 
 
-def _final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc, HybridState):
+def _final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc):
     """The decode state after T tokens: ring, sinks, pending block, cache and the folded sums."""
     B, Hk, _, D = k.shape
     ns = cache.sinks
-    sp = empty_sparse_state(B, Hk, D, w, cache, device=k.device, dtype=k.dtype)
+    sp = empty_sparse_state(B, Hk, D, w, cache.size, cache.sinks, device=k.device, dtype=k.dtype)
     ring_pos = torch.arange(max(T - w, 0), T, device=k.device)
     k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
     k_window[:, :, ring_pos % w] = k[:, :, ring_pos]

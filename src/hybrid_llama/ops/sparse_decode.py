@@ -14,10 +14,11 @@ import math
 import torch
 from torch import Tensor
 
-from .decode import HybridState, check_step_shapes, init_state
+from .decode import check_step_shapes
 from .feature_maps import FeatureMap, resolve_qk_maps
 from .reference import combine, mixing_weights
-from .sparse_cache import SparseCacheConfig, close_block, empty_sparse_state, gather_slots
+from .sparse_cache import SparseCacheConfig, close_block, gather_slots
+from .state import HybridState, empty_sparse_state, init_state
 
 
 def _put(buf: Tensor, slot: int, x: Tensor) -> Tensor:
@@ -35,7 +36,8 @@ def init_sparse_state(
     device=None, dtype=None,
 ) -> HybridState:
     state = init_state(batch, kv_heads, head_dim, window, feature_dim=feature_dim, device=device, dtype=dtype)
-    state.sparse = empty_sparse_state(batch, kv_heads, head_dim, window, cache, device=device, dtype=dtype)
+    state.sparse = empty_sparse_state(batch, kv_heads, head_dim, window, cache.size, cache.sinks, device=device,
+                                      dtype=dtype)
     return state
 
 

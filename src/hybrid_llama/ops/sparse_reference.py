@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .gqa import expand_kv
 from .sparse_cache import SRE_EPS, SparseCacheConfig, random_scores
 
 
@@ -32,8 +33,6 @@ def hybrid_attention_sparse_reference(
     """Returns ``(o, None, caches)``: o ``[B, H, T, D]``, and ``caches[b][h_kv][t]`` the sorted
     positions in the cache when query t attends (for the diagnostics' tests)."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
-        from . import expand_kv
-
         k, v = expand_kv(q, k, v)
     B, H, T, D = q.shape
     Hk, w, lam, ns = k.shape[1], window, cache.size, cache.sinks

@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode import HybridState, check_step_shapes
+from .decode import check_step_shapes
 from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
+from .state import HybridState
 from .triton_common import (
     check_device,
     check_feature_dim,

@@ -57,8 +57,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode import HybridState, prefill_state
 from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
+from .gqa import expand_kv
+from .state import HybridState, prefill_state
 from .triton_common import (
     check_device,
     check_feature_dim,
@@ -673,8 +674,6 @@ def _features(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMap) -> tuple
     its parameters. A single map may be per head (e.g. a HedgehogFeatureMap of H heads), so with it
     GQA k/v are expanded to the query heads first; a (query_map, key_map) pair maps k at the KV heads."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
-        from . import expand_kv  # (lazy: the package imports this module lazily too)
-
         k, v = expand_kv(q, k, v)
     query_map, key_map = resolve_qk_maps(feature_map)
     phi_q, phi_k = query_map(q), key_map(k)

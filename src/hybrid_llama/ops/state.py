@@ -1,0 +1,201 @@
+"""The recurrent decode state of hybrid attention, and how a prefill builds it.
+
+``HybridState`` holds a ring buffer of the last ``w`` keys/values plus the running linear-attention
+sums ``S = sum phi(k) v^T`` and ``z = sum phi(k)`` over the keys that have left the window; with the
+sparse cache on, ``sparse`` holds its fixed-size sink, pending and cache buffers (``SparseState``).
+The key at position ``t`` lives in slot ``t % w``. Every size is fixed in the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .feature_maps import FeatureMap, feature_dim_of, resolve_qk_maps
+
+
+@dataclass
+class SparseState:
+    """The decode state's exact memories besides the window ring, per (batch row, KV head).
+
+    Sizes are fixed: ``sinks`` pinned slots, ``w`` pending slots (slot ``(s - sinks) % w``), ``λ``
+    cache slots kept in position order (empty slots: ``cache_pos`` -1, at the end). ``*_acc`` hold the
+    attention each key received so far (read by the ``attention`` score only).
+    """
+
+    sink_k: Tensor  # [B, Hk, n_s, D]
+    sink_v: Tensor
+    sink_valid: Tensor  # [B, n_s] bool
+    pend_k: Tensor  # [B, Hk, w, D]
+    pend_v: Tensor
+    pend_valid: Tensor  # [B, w] bool
+    pend_acc: Tensor  # [B, Hk, w] fp32
+    cache_k: Tensor  # [B, Hk, λ, D]
+    cache_v: Tensor
+    cache_valid: Tensor  # [B, Hk, λ] bool
+    cache_pos: Tensor  # [B, Hk, λ] int64, -1 = empty
+    cache_acc: Tensor  # [B, Hk, λ] fp32
+    win_acc: Tensor  # [B, Hk, w] fp32, per window-ring slot
+
+    def map(self, fn) -> SparseState:
+        """A copy with ``fn`` applied to every tensor (index_select, to, detach)."""
+        return SparseState(**{f.name: fn(f.name, getattr(self, f.name)) for f in fields(self)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self)))
+
+
+def empty_sparse_state(
+    batch: int, kv_heads: int, head_dim: int, window: int, size: int, sinks: int, *, device=None, dtype=None
+) -> SparseState:
+    """Empty sink, pending and cache buffers: ``sinks`` and ``size`` slots per KV head."""
+    def kv(n: int) -> Tensor:
+        return torch.zeros(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
+
+    lam, ns = size, sinks
+    return SparseState(
+        sink_k=kv(ns), sink_v=kv(ns), sink_valid=torch.zeros(batch, ns, dtype=torch.bool, device=device),
+        pend_k=kv(window), pend_v=kv(window),
+        pend_valid=torch.zeros(batch, window, dtype=torch.bool, device=device),
+        pend_acc=torch.zeros(batch, kv_heads, window, device=device),
+        cache_k=kv(lam), cache_v=kv(lam),
+        cache_valid=torch.zeros(batch, kv_heads, lam, dtype=torch.bool, device=device),
+        cache_pos=torch.full((batch, kv_heads, lam), -1, dtype=torch.long, device=device),
+        cache_acc=torch.zeros(batch, kv_heads, lam, device=device),
+        win_acc=torch.zeros(batch, kv_heads, window, device=device),
+    )
+
+
+@dataclass
+class HybridState:
+    k_window: Tensor  # [B, H, w, D] ring buffer of the last w keys (post-RoPE)
+    v_window: Tensor  # [B, H, w, D]
+    window_valid: Tensor  # [B, w] bool: slot holds a real (non-pad) key
+    S: Tensor  # [B, H, F, D] fp32, sum of phi(k) v^T over keys that left the window
+    z: Tensor  # [B, H, F]    fp32, sum of phi(k)
+    seen: int  # tokens consumed; the next token goes to slot seen % w
+    sparse: SparseState | None = None  # sinks, pending block and sparse cache (sparse_cache module)
+
+    @property
+    def window(self) -> int:
+        return self.k_window.shape[2]
+
+    def index_select(self, batch_index: Tensor) -> HybridState:
+        """The state of the rows ``batch_index`` (beam search / batch reordering)."""
+        pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
+        return HybridState(
+            pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen,
+            None if self.sparse is None else self.sparse.map(lambda _, t: pick(t)),
+        )
+
+    def detach(self) -> HybridState:
+        """The same state cut from autograd (a cache never backpropagates into its prefill)."""
+        return HybridState(
+            self.k_window.detach(), self.v_window.detach(), self.window_valid, self.S.detach(), self.z.detach(),
+            self.seen, None if self.sparse is None else self.sparse.map(lambda _, t: t.detach()),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes held: the window ring, the linear sums and the sparse memories (fixed in T)."""
+        own = (self.k_window, self.v_window, self.window_valid, self.S, self.z)
+        return sum(t.numel() * t.element_size() for t in own) + (0 if self.sparse is None else self.sparse.nbytes())
+
+    def to(self, device=None, dtype=None) -> HybridState:
+        """Move to ``device``; ``dtype`` applies to the key/value buffers (S and z stay fp32)."""
+        return HybridState(
+            self.k_window.to(device=device, dtype=dtype),
+            self.v_window.to(device=device, dtype=dtype),
+            self.window_valid.to(device=device),
+            self.S.to(device=device),
+            self.z.to(device=device),
+            self.seen,
+            None if self.sparse is None else self.sparse.map(
+                lambda name, t: t.to(device=device, dtype=dtype if name.endswith(("_k", "_v")) else None)
+            ),
+        )
+
+
+def init_state(
+    batch: int,
+    heads: int,
+    head_dim: int,
+    window: int,
+    *,
+    feature_dim: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> HybridState:
+    """Empty state. ``feature_dim`` is F, the width of phi's output (default ``head_dim``, as for elu1;
+    for a ``HedgehogFeatureMap`` pass its ``out_features``)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    f = feature_dim or head_dim
+    dtype = dtype or torch.get_default_dtype()
+    return HybridState(
+        k_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
+        v_window=torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype),
+        window_valid=torch.zeros(batch, window, device=device, dtype=torch.bool),
+        S=torch.zeros(batch, heads, f, head_dim, device=device, dtype=torch.float32),
+        z=torch.zeros(batch, heads, f, device=device, dtype=torch.float32),
+        seen=0,
+    )
+
+
+def prefill_state(
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    feature_map: FeatureMap = "elu1",
+    key_padding_mask: Tensor | None = None,
+    linear_sums: tuple[Tensor, Tensor] | None = None,
+) -> HybridState:
+    """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``.
+
+    ``linear_sums``: ``(S, z)`` over the keys that left the window, when the caller (a prefill op
+    returning its final state) already has them; otherwise they are computed here."""
+    if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = k.shape
+    real = (
+        key_padding_mask
+        if key_padding_mask is not None
+        else torch.ones(B, T, dtype=torch.bool, device=k.device)
+    )
+    if real.shape != (B, T) or real.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
+
+    state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
+    n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
+    if linear_sums is not None:
+        state.S, state.z = linear_sums
+    elif n_lin > 0:
+        state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], real[:, :n_lin], feature_map)
+    kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
+    slots = kept % window
+    k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
+    k_window[:, :, slots] = k[:, :, kept]
+    v_window[:, :, slots] = v[:, :, kept].to(v_window.dtype)
+    valid[:, slots] = real[:, kept]
+    state.k_window, state.v_window, state.window_valid, state.seen = k_window, v_window, valid, T
+    return state
+
+
+def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap) -> tuple[Tensor, Tensor]:
+    """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the
+    given keys; ``real`` ``[B, T]`` bool drops padding."""
+    k_features = resolve_qk_maps(feature_map)[1](k.float())
+    if real is not None:
+        k_features = k_features * real[:, None, :, None]
+    return torch.matmul(k_features.transpose(-1, -2), v.float()), k_features.sum(dim=2)
+
+
+def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
+    try:
+        return feature_dim_of(feature_map, k.shape[-1])
+    except ValueError:  # an arbitrary callable: measure it on one token
+        return resolve_qk_maps(feature_map)[1](k[:1, :, :1].float()).shape[-1]
+
+
