@@ -450,3 +450,32 @@ def test_perplexity_window_nlls_average_to_the_nll(tiny_model_dir):
     for r in rows:
         assert len(r["window_nlls"]) == 4
         assert sum(r["window_nlls"]) / 4 == pytest.approx(r["nll"], abs=1e-9)
+
+
+def test_component_shares_with_and_without_the_sparse_cache(lively_dir, byte_tok):
+    """Three parts for a sparse-cache layer (summing to 1, the cache's share > 0 beyond the first
+    block); for a plain layer the window share is the two-part diagnostic's, and the cache's is 0."""
+    from hybrid_llama.eval.components import window_shares
+    from hybrid_llama.models import convert_to_hybrid
+    from hybrid_llama.ops.reference import window_share
+
+    plain, tok = load_model(lively_dir, dtype=torch.float32)
+    convert_to_hybrid(plain, [0], window=8, formulation="lolcats", feature_map="hedgehog")
+    sparse, _ = load_model(lively_dir, dtype=torch.float32)
+    convert_to_hybrid(sparse, [0], window=8, formulation="lolcats", feature_map="hedgehog", sparse_cache=4, sinks=1)
+    kw = dict(context_lens=[64], tail=8, max_windows=1)
+    (p,) = window_shares(plain, tok, TEXTS, stage="transfer", **kw)
+    (s,) = window_shares(sparse, tok, TEXTS, stage="transfer", **kw)
+    assert p["cache_share"] == 0.0 and p["window_share"] + p["linear_share"] == pytest.approx(1.0)
+    assert s["cache_share"] > 0 and s["window_share"] + s["cache_share"] + s["linear_share"] == pytest.approx(1.0)
+    # the plain layer's window share is ops.reference.window_share on the layer's own q, k
+    stream = torch.tensor(HO.token_stream(tok, TEXTS)[:64])[None]
+    layer = plain.model.layers[0].self_attn
+    with torch.no_grad():
+        hidden = plain.model.embed_tokens(stream)
+        pos = plain.model.rotary_emb(hidden, torch.arange(64)[None])
+        q, k, _ = layer.project(plain.model.layers[0].input_layernorm(hidden), pos)
+        want = window_share(q, k, layer.mixing.window_logit, layer.mixing.linear_logit, window=8,
+                            formulation="lolcats", feature_map=layer.op_feature_map(),
+                            query_positions=torch.arange(56, 64))
+    assert p["window_share"] == pytest.approx(float(want.mean()), rel=1e-5)

@@ -1,11 +1,13 @@
-"""Component diagnostic: how much of each hybrid layer's output comes from the softmax window.
+"""Component diagnostic: how much of each hybrid layer's output comes from each of its memories.
 
 A hybrid layer's output is ``share * (window average) + (1 - share) * (linear readout)``, where
 ``share`` is the window's part of the shared normalizer (``hybrid_llama.ops.reference.window_share``).
 A share near 0 beyond the window means the linear part drowns the window (the published recreation's
 formulation does this: every older key adds about D to the denominator); a share near 1 means the
 layer bypasses its linear part and acts as window-only attention. Either can hide behind a decent
-perplexity, so the report shows the share per layer at a few context lengths.
+perplexity, so the report shows the share per layer at a few context lengths. A layer with the sparse
+cache has a third part, the exact keys beyond the window (sinks, cache, pending block): its
+``cache_share`` (0 for the other layers, whose two shares are computed as before).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def window_shares(
     context length (the windows of ``perplexity_vs_context``). Rows: ``tables.COMPONENT_COLUMNS``."""
     from hybrid_llama.layers import HybridLlamaAttention
     from hybrid_llama.ops.reference import window_share
+    from hybrid_llama.ops.sparse_cache import SparseCacheConfig, hybrid_attention_sparse
 
     layers = {m.layer_idx: m for m in model.modules() if isinstance(m, HybridLlamaAttention)}
     if not layers:
@@ -43,22 +46,31 @@ def window_shares(
     stream = torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
     windows = perplexity_windows(len(stream), context_lens, tail=tail, max_windows=max_windows,
                                  max_len=max_positions(model))
-    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0])
+    sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     length = {"L": 0}
 
     def hook(layer: HybridLlamaAttention):
         def pre(_mod, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            q, k, _ = layer.project(hidden, kwargs["position_embeddings"])
+            q, k, v = layer.project(hidden, kwargs["position_embeddings"])
             T = q.shape[2]
             queries = torch.arange(max(0, T - tail), T, device=q.device)
             cfg = layer.hybrid
-            share = window_share(q, k, layer.mixing.window_logit, layer.mixing.linear_logit, window=cfg.window,
-                                 formulation=cfg.formulation, feature_map=layer.op_feature_map(),
-                                 query_positions=queries)
+            wl, ll = layer.mixing.window_logit, layer.mixing.linear_logit
+            if cfg.sparse_cache or cfg.sinks:  # three parts: window, sinks + cache + pending, linear state
+                _, _, shares = hybrid_attention_sparse(
+                    q, k, v, wl, ll, window=cfg.window, feature_map=layer.op_feature_map(), return_shares=True,
+                    cache=SparseCacheConfig(cfg.sparse_cache, cfg.sinks, cfg.cache_score),
+                )
+                window, cache = shares[:, :, queries, 0], shares[:, :, queries, 1]
+            else:
+                window = window_share(q, k, wl, ll, window=cfg.window, formulation=cfg.formulation,
+                                      feature_map=layer.op_feature_map(), query_positions=queries)
+                cache = None
             acc = sums[layer.layer_idx, length["L"]]
-            acc[0] += float(share.nansum())
-            acc[1] += int(share.isfinite().sum())
+            acc[0] += float(window.nansum())
+            acc[1] += int(window.isfinite().sum())
+            acc[2] += 0.0 if cache is None else float(cache.nansum())
 
         return pre
 
@@ -73,8 +85,9 @@ def window_shares(
         for h in handles:
             h.remove()
     rows = []
-    for (layer, L), (total, n) in sorted(sums.items()):
+    for (layer, L), (total, n, cached) in sorted(sums.items()):
         share = total / n if n else float("nan")
+        cache = cached / n if n else float("nan")
         rows.append({"stage": stage, "layer": layer, "context_len": L, "window_share": share,
-                     "linear_share": 1.0 - share, "n_queries": n})
+                     "linear_share": 1.0 - share - cache, "n_queries": n, "cache_share": cache})
     return rows

@@ -24,7 +24,7 @@ PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens", "window_
 PASSKEY_COLUMNS = ("stage", "context_len", "trial", "depth", "key", "needle_distance", "method", "accuracy", "n",
                    "needle_in_cache", "needle_in_cache_layers")
 BEYOND_WINDOW = 128  # needles further than this before the question are outside any window + pending block
-COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries")
+COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries", "cache_share")
 
 
 # --------------------------------------------------------------------------- CSV
@@ -104,13 +104,13 @@ def passkey_summary(rows: list[dict], context_len: int, *, beyond: int | None = 
 
 
 def write_components_csv(rows: Iterable[dict], path: str | Path) -> Path:
-    """components.csv: stage,layer,context_len,window_share,linear_share,n_queries"""
+    """components.csv: stage,layer,context_len,window_share,linear_share,n_queries,cache_share"""
     return write_rows(rows, path, COMPONENT_COLUMNS)
 
 
 def read_components_csv(path: str | Path) -> list[dict]:
     return read_rows(path, {"layer": int, "context_len": int, "window_share": float, "linear_share": float,
-                            "n_queries": int})
+                            "n_queries": int, "cache_share": float})
 
 
 # the quality tables by kind (the workflow's {kind} wildcard)

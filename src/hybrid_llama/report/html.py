@@ -210,15 +210,25 @@ def quality_tables(res: Results, model: str, device: str) -> dict:
     components = []
     for variant, stage, rows in comp:
         for layer in sorted({r["layer"] for r in rows}):
-            share = {r["context_len"]: r["window_share"] for r in rows if r["layer"] == layer}
+            at = {r["context_len"]: r for r in rows if r["layer"] == layer}
             components.append({"stage": stage_label(variant, stage), "layer": layer,
-                               "cells": [_pct(share.get(L)) for L in comp_lens]})
+                               "cells": [_shares(at.get(L)) for L in comp_lens]})
     return {
         "nll_columns": [stage_label(v, s) for v, s, _ in ppl], "nll": nll,
         "passkey_columns": [stage_label(v, s) for v, s, _ in pk], "passkey": passkey,
         "depths": ", ".join(f"{d:g}" for d in sorted({r["depth"] for _, _, rows in pk for r in rows})),
         "components_lens": comp_lens, "components": components,
     }
+
+
+def _shares(row: dict | None) -> str:
+    """The window's share, and the sparse cache's beside it where a layer has one."""
+    if row is None:
+        return _pct(None)
+    cache = row.get("cache_share")
+    if cache:  # absent in older files, 0 for layers without the cache
+        return f"{_pct(row['window_share'])} / {_pct(cache)}"
+    return _pct(row["window_share"])
 
 
 # ------------------------------------------------------------------------------------ provenance
