@@ -175,13 +175,17 @@ def test_schema_fills_defaults_for_a_minimal_config():
         "formulation": "hybrid",
         "feature_map": "elu1",
         "backend": "auto",
+        "sparse_cache": 0,
+        "sinks": 0,
+        "cache_score": "sre",
     }
     assert cfg["lora"]["r"] == 8 and cfg["lora"]["alpha"] == 16 and cfg["lora"]["lr"] == 1e-4
     assert cfg["base_lora"]["target"] == "all" and "r" not in cfg["base_lora"]  # overrides only
     assert cfg["transfer"]["trainable"] == "logits+qkvo"
     assert cfg["mmlu"]["shots"] == [0, 5] and cfg["mmlu"]["formats"] == ["mc", "cloze"]
     assert cfg["transfer"]["num_tokens"] == 1_000_000 and cfg["data"]["instruct"]["source"] == "auto"
-    assert cfg["quality"]["passkey"]["depths"] == [0.1, 0.5, 0.9] and cfg["devices"] == ["cpu"]
+    assert cfg["quality"]["passkey"]["depths"] is None and cfg["quality"]["passkey"]["trials"] == 16
+    assert cfg["devices"] == ["cpu"]
     assert "transfer" not in cfg["variants"][0]  # a variant only holds what it overrides
 
 
