@@ -21,6 +21,9 @@ from matplotlib.ticker import FuncFormatter, LogLocator
 from hybrid_llama.eval.mmlu import CHANCE
 from hybrid_llama.report.results import crossover
 
+# Legends go beside the axes (saved with bbox_inches="tight"), never on top of the lines.
+OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
+
 
 def save_figure(fig: Figure, out_stem: str | Path) -> list[Path]:
     stem = Path(out_stem)
@@ -104,7 +107,7 @@ def plot_throughput(csv_path: str | Path, out_stem: str | Path, *, title: str | 
         ax.set_ylabel("throughput (tokens/s, log scale)")
         ax.set_title(titles[phase])
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(**OUTSIDE, fontsize=8)
     fig.suptitle(title or f"Throughput vs prompt length: {_header(df)} (x: crossover with base)")
     return save_figure(fig, out_stem)
 
@@ -138,7 +141,7 @@ def plot_memory(csv_path: str | Path, out_stem: str | Path, *, title: str | None
     ax_mem.set_title(f"peak memory{' (' + method + ')' if method else ''}, weights included")
     for ax in (ax_cache, ax_mem):
         if ax.lines:
-            ax.legend(fontsize=7)
+            ax.legend(**OUTSIDE, fontsize=7)
     fig.suptitle(title or f"Memory vs prompt length: {_header(df)}")
     return save_figure(fig, out_stem)
 
@@ -187,7 +190,7 @@ def plot_mmlu(json_paths: list[str | Path], out_stem: str | Path, *, metric: str
     ax.set_xlabel("model variant / stage")
     top = max([v[0] + (v[1] if v[1] == v[1] else 0) for v in values.values()] + [CHANCE])
     ax.set_ylim(0, min(100, 100 * top + 15))
-    ax.legend(fontsize=8)
+    ax.legend(**OUTSIDE, fontsize=8)
     devices = _devices(r.get("device_name") for r in results)
     ax.set_title(title or f"MMLU accuracy: {devices}")
     return save_figure(fig, out_stem)

@@ -13,7 +13,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from hybrid_llama.names import STAGE_LABELS, STAGES
-from hybrid_llama.report.plots import log2_axis, save_figure
+from hybrid_llama.report.plots import OUTSIDE, log2_axis, save_figure
 from hybrid_llama.report.results import passkey_at, stage_rows
 
 STAGE_STYLE = {"converted": (":", "v"), "transfer": ("-.", "s"), "transfer_lora": ("-", "o")}
@@ -58,7 +58,7 @@ def _context_figure(tables: dict[str, list[dict]], points, out_stem: str | Path,
     ax.set_xlabel("context length (tokens, log scale)")
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(**OUTSIDE, fontsize=7)
     ax.set_title(title)
     return save_figure(fig, out_stem)
 

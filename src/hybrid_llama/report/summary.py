@@ -80,7 +80,9 @@ def control_sentence(head: Headline, res: Results) -> str | None:
             if math.isnan(se):
                 text = f"{lead} is {vs} from the window-only control (one window, no stderr: undecided)"
             elif diff < -2 * se:
-                text = f"{lead} beats the window-only control ({vs}), so its linear part is used"
+                # say which is better and by how much: a negative difference reads like a loss
+                text = (f"{lead} beats the window-only control by {plus_minus(-diff, se)} nats of held-out NLL "
+                        f"at {L} tokens (lower is better), so its linear part is used")
             elif diff > 2 * se:
                 text = f"{lead} is worse than the window-only control ({vs}), so its linear part hurts"
             else:
