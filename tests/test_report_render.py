@@ -238,10 +238,7 @@ def summary(html: str) -> list[str]:
 
 
 ROWS = {"base": "base", "base_lora": "base + LoRA (control)", "w16": "w16: hybrid after transfer + LoRA",
-        "lc16": "lc16: hybrid after transfer + LoRA",
-        # derived variants of the test config: no fixture files, so their cells read "not measured"
-        "lc16s": "lc16s: hybrid after transfer + LoRA", "lc16sd": "lc16sd: hybrid after transfer + LoRA",
-        "win16": "win16: hybrid as converted (no training)"}
+        "lc16": "lc16: hybrid after transfer + LoRA", "win16": "win16: hybrid as converted (no training)"}
 COLUMNS = ["prefill", "decode", "cache", "nll_window", "nll_longest", "passkey", "mmlu"]
 FINAL = {"w16": "transfer_lora", "lc16": "transfer_lora", "win16": "converted", "base_lora": "base_lora"}
 

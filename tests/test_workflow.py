@@ -263,6 +263,32 @@ def test_good_test_config_dry_run(wf_copy):
     assert ("report", "results/report.html") in jobs
 
 
+def test_derived_variants_plan_no_training_of_their_own(wf_copy, tmp_path):
+    """A variant derived from lc16 trains nothing (its stages read lc16's layers and adapter); one with
+    a 'lora' of its own adds one LoRA job, which reads lc16's transfer layers and teacher states."""
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["variants"] += [
+        {"name": "lc16s", "from": "lc16", "hybrid": {"sparse_cache": 4, "sinks": 1}, "stages": ["transfer_lora"]},
+        {"name": "lc16sd", "from": "lc16", "hybrid": {"sparse_cache": 4, "sinks": 1}, "lora": {},
+         "stages": ["transfer_lora"]},
+    ]
+    file = tmp_path / "derived.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = planned_jobs(out.stdout)
+    rules = sorted(r for r, _ in jobs)
+    assert rules.count("transfer") == 2 and rules.count("lora") == 3  # w16, lc16, and lc16sd's own LoRA
+    assert ("passkey", "results/tiny/lc16s/quality/cpu/transfer_lora/passkey.csv") in jobs
+    lora_block = "output: results/tiny/lc16sd/lora/adapter_model.safetensors"
+    block = out.stdout.split(lora_block)[0].rsplit("rule lora:", 1)[1]
+    assert "results/tiny/lc16/transfer/hybrid_layers.safetensors" in block
+    assert "results/tiny/lc16/transfer/teacher_states.safetensors" in block
+    passkey_block = "output: results/tiny/lc16s/quality/cpu/transfer_lora/passkey.csv"
+    evals = out.stdout.split(passkey_block)[0].rsplit("rule ", 1)[1]
+    assert "results/tiny/lc16/lora/adapter_model.safetensors" in evals
+
+
 # ------------------------------------------------------------------------------------------ whole DAG
 
 # The test config's model, device and variants: V has the seed recipe's shape, L is LoLCATs-shaped
