@@ -439,3 +439,32 @@ def test_training_mode_keeps_no_state(lively_dir):
     assert out.past_key_values.layers[0].state is None
     with pytest.raises(RuntimeError, match="training mode"):
         model(torch.tensor([[5]]), past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_truncated_artifacts_name_the_file_and_the_rule(tiny_model_dir, tmp_path):
+    """A truncated hybrid-layers file, adapter or saved model gives one error naming the path and how
+    to rebuild it; a whole file of another variant keeps its own, specific error."""
+    from hybrid_llama.files import ArtifactError, load_safetensors, save_safetensors
+    from hybrid_llama.models import hybrid_parameter_names, load_hybrid, load_hybrid_layers, save_hybrid
+
+    model, tok = load_model(tiny_model_dir, dtype=torch.float32)
+    convert_to_hybrid(model, [0, 2], window=16)
+    save_hybrid(model, tmp_path / "saved", tokenizer=tok)
+    layers = tmp_path / "hybrid_layers.safetensors"
+    state = model.state_dict()
+    save_safetensors(layers, {k: state[k].contiguous() for k in hybrid_parameter_names(model)})
+    whole = layers.read_bytes()
+    layers.write_bytes(whole[: len(whole) // 2])
+    fresh, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(ArtifactError, match=r"hybrid_layers\.safetensors: unreadable or truncated.*forcerun transfer"):
+        load_hybrid_layers(fresh, layers, {"layers": [0, 2], "window": 16})
+    with pytest.raises(ArtifactError, match="--forcerun lora"):
+        load_safetensors(layers, rule="lora")
+    saved = tmp_path / "saved" / "model.safetensors"
+    saved.write_bytes(saved.read_bytes()[:100])
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: unreadable or truncated.*save_hybrid"):
+        load_hybrid(tmp_path / "saved")
+    layers.write_bytes(whole)  # whole again, but loaded as other layers: the specific error stays
+    other, _ = load_model(tiny_model_dir, dtype=torch.float32)
+    with pytest.raises(ValueError, match="missing keys"):
+        load_hybrid_layers(other, layers, {"layers": [1], "window": 16})

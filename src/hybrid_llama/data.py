@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from .files import atomic_write, save_safetensors, sha256_of
+from .files import atomic_write, load_safetensors, save_safetensors, sha256_of
 
 # The readers live in .sources; these names stay importable from here for existing callers.
 from .sources import (
@@ -181,7 +180,7 @@ def prepare_transfer_corpus(source: dict, tokenizer: Any, out_path: str | os.Pat
 
 def load_packed(path: str | os.PathLike) -> torch.Tensor:
     """Packed token rows as int64 ``[N, L]``."""
-    t = load_file(str(path))
+    t = load_safetensors(path, rule="transfer_data or instruct_data")
     if "tokens" not in t:
         raise DataError(f"{path}: no 'tokens' tensor (keys {sorted(t)})")
     return t["tokens"].long()
@@ -311,7 +310,7 @@ def prepare_instruct_data(source: dict, tokenizer: Any, out_path: str | os.PathL
 
 def load_instruct(path: str | os.PathLike, split: str = "train") -> dict[str, torch.Tensor]:
     """``{input_ids, labels, attention_mask}`` (int64, right-padded) of one split ("train" | "val")."""
-    t = load_file(str(path))
+    t = load_safetensors(path, rule="transfer_data or instruct_data")
     keys = ("input_ids", "labels", "attention_mask")
     missing = [k for k in keys if f"{split}.{k}" not in t]
     if missing:

@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_path", "save_safetensors", "sha256_of"]
+__all__ = ["ArtifactError", "atomic_write", "atomic_path", "load_safetensors", "save_safetensors", "sha256_of"]
+
+
+class ArtifactError(OSError):
+    """An artifact that cannot be read (truncated, corrupt, missing): the message names the file and
+    the workflow rule that rebuilds it."""
 
 
 @contextmanager
@@ -53,6 +58,25 @@ def save_safetensors(path: str | os.PathLike, tensors: dict, metadata: dict[str,
     from safetensors.torch import save_file
 
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def load_safetensors(path: str | os.PathLike, *, rule: str | None) -> dict:
+    """All tensors of a safetensors file; an unreadable file raises one ``ArtifactError`` that names
+    it and the workflow rule that rebuilds it (``rule``; None for a file no rule writes), instead
+    of safetensors' own traceback."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # SafetensorError, OSError, a truncated header: all mean "rebuild it"
+        raise unreadable(path, rule, exc) from exc
+
+
+def unreadable(path: str | os.PathLike, rule: str | None, exc: BaseException) -> ArtifactError:
+    """The error for an artifact that cannot be read: its path, why, and how to rebuild it."""
+    how = (f"rebuild it with `snakemake --forcerun {rule} <target>` (or delete it and rerun)" if rule
+           else "write it again (hybrid_llama.models.save_hybrid)")
+    return ArtifactError(f"{path}: unreadable or truncated ({type(exc).__name__}: {exc}); {how}")
 
 
 def sha256_of(path: str | os.PathLike) -> str:

@@ -125,7 +125,7 @@ def merge_lora_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
     import math
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from hybrid_llama.files import load_safetensors
 
     adapter_dir = Path(adapter_dir)
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -137,7 +137,7 @@ def merge_lora_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.M
     scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
     params = dict(model.named_parameters())
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+    for key, tensor in load_safetensors(adapter_dir / "adapter_model.safetensors", rule="lora").items():
         name = key.removeprefix("base_model.model.")
         lora = re.fullmatch(r"(.+)\.lora_([AB])\.weight", name)
         if lora:

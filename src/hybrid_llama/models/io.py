@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from hybrid_llama.files import save_safetensors
+from hybrid_llama.files import load_safetensors, save_safetensors, unreadable
 from hybrid_llama.layers import HybridConfig
 from hybrid_llama.runtime import resolve_dtype
 
@@ -45,6 +44,13 @@ def save_hybrid(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
 
 
 def _stored_dtype(file: Path) -> torch.dtype:
+    try:
+        return _first_float_dtype(file)
+    except Exception as exc:  # a truncated export fails here first: name it
+        raise unreadable(file, None, exc) from exc
+
+
+def _first_float_dtype(file: Path) -> torch.dtype:
     with safe_open(str(file), framework="pt") as f:
         for key in f.keys():
             t = f.get_slice(key)
@@ -67,7 +73,8 @@ def load_hybrid(path: str | Path, *, dtype: torch.dtype | None = None, device=No
     dtype = dtype or _stored_dtype(file)
     model = _empty_llama(config, dtype)
     convert_to_hybrid(model, **asdict(cfg))
-    _load_strict(model, load_file(str(file)), what=str(file), allowed_missing=_tied_names(model))
+    _load_strict(model, load_safetensors(file, rule=None), what=str(file),
+                 allowed_missing=_tied_names(model))
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.to(device=device).eval()
@@ -120,7 +127,7 @@ def load_hybrid_layers(base_model: nn.Module, safetensors_path: str | Path, cfg:
         convert_to_hybrid(base_model, **asdict(cfg))
     elif have != cfg:
         raise ValueError(f"base model is already hybrid with {have}, not {cfg}")
-    state = load_file(str(safetensors_path))
+    state = load_safetensors(safetensors_path, rule="transfer")
     expected = set(hybrid_parameter_names(base_model))
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)

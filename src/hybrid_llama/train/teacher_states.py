@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybrid_llama.files import save_safetensors
+from hybrid_llama.files import save_safetensors, unreadable
 
 __all__ = ["save_teacher_states", "TeacherStates"]
 
@@ -39,10 +39,13 @@ class TeacherStates:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        with safe_open(str(path), framework="pt") as f:
-            self.teacher = json.loads(f.metadata()["teacher"])
-            self.input_ids = f.get_tensor("input_ids")
-            self.hidden = f.get_tensor("hidden") if "hidden" in f.keys() else None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                self.teacher = json.loads(f.metadata()["teacher"])
+                self.input_ids = f.get_tensor("input_ids")
+                self.hidden = f.get_tensor("hidden") if "hidden" in f.keys() else None
+        except Exception as exc:  # a truncated or corrupt file: name it and the rule that rebuilds it
+            raise unreadable(path, "transfer", exc) from exc
         self._row_of = {tuple(r.tolist()): i for i, r in enumerate(self.input_ids)}
 
     def __len__(self) -> int:
