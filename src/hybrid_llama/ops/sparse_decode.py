@@ -67,19 +67,18 @@ def hybrid_attention_step_sparse(
     lam, ns = cache.size, cache.sinks
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     new_valid = torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).bool()
-    sp, S, z = state.sparse, state.S, state.z
+    # One shallow copy: the step replaces its fields, never writes into the old state's tensors.
+    sp, S, z = state.sparse.map(lambda _, x: x), state.S, state.z
     ring = t % w
     if t >= w:  # position s = t - w leaves the ring
         s = t - w
         lk, lv = state.k_window[:, :, ring], state.v_window[:, :, ring]
         lvalid, lacc = state.window_valid[:, ring], sp.win_acc[:, :, ring]
         if s < ns:
-            sp = sp.map(lambda _, x: x)
             sp.sink_k, sp.sink_v = _put(sp.sink_k, s, lk), _put(sp.sink_v, s, lv)
             sp.sink_valid = _put(sp.sink_valid, s, lvalid)
         else:
             slot = (s - ns) % w
-            sp = sp.map(lambda _, x: x)
             sp.pend_k, sp.pend_v = _put(sp.pend_k, slot, lk), _put(sp.pend_v, slot, lv)
             sp.pend_valid, sp.pend_acc = _put(sp.pend_valid, slot, lvalid), _put(sp.pend_acc, slot, lacc)
             if slot == w - 1:  # the block is complete: close it
@@ -125,10 +124,8 @@ def hybrid_attention_step_sparse(
 
     if cache.score == "attention":  # every exact key accumulates the weight it just received
         weight = (p / torch.where(exact_sum > 0, exact_sum, torch.ones_like(exact_sum))).sum(2).detach()
-        sp = sp.map(lambda _, x: x)
         win_acc = win_acc + weight[..., :w]
         sp.cache_acc = sp.cache_acc + weight[..., w + ns : w + ns + lam]
         sp.pend_acc = sp.pend_acc + weight[..., w + ns + lam :]
-    sp = sp.map(lambda _, x: x)
     sp.win_acc = win_acc
     return out.to(q.dtype), HybridState(k_window, v_window, window_valid, S, z, t + 1, sparse=sp)
