@@ -439,3 +439,25 @@ def assert_headline_above_the_fold(report: Path, tmp_path: Path) -> None:
     image = Image.open(shot).convert("L")
     assert image.size == (width, height)
     assert ImageStat.Stat(image).stddev[0] > 20, "screenshot looks blank"
+
+
+@pytest.mark.parametrize(
+    ("paired", "text", "note", "css"),
+    [
+        ((1.08, 1.05, 1.12), "1.08×", "1.05–1.12×", "better"),
+        ((0.91, 0.88, 0.95), "0.91×", "0.88–0.95×", "worse"),
+        ((1.01, 0.97, 1.04), "1.01× within noise", "0.97–1.04×", ""),
+        ((0.99, 0.99, 1.00), "0.99× within noise", "0.99–1.00×", ""),
+    ],
+)
+def test_speed_cell_shows_the_spread_or_within_noise(paired, text, note, css):
+    from hybrid_llama.report.headline import _speedup_cell
+
+    ratio, lo, hi = paired
+    base = {"tokens_per_s": 100.0}
+    row = {"tokens_per_s": 100.0 * ratio, "speedup": ratio, "speedup_min": lo, "speedup_max": hi,
+           "backend": "chunked", "repeats": 3}
+    cell = _speedup_cell(row, base, "#speed")
+    assert (cell.text, cell.note, cell.css) == (text, note, css)
+    assert cell.value == ratio and cell.extra["spread"] == (lo, hi)
+    assert "3 interleaved repeats" in cell.title

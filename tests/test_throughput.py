@@ -104,6 +104,51 @@ class _OomAbove(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, **kw)
 
 
+class _VirtualClock:
+    """A clock that moves only when a model says it ran: timings known exactly, no sleeping."""
+
+    def __init__(self) -> None:
+        self.now, self.calls = 0.0, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Costed(LlamaForCausalLM):
+    """Advances the virtual clock by ``cost`` seconds per forward, times a per-round drift."""
+
+    def __init__(self, config, name: str, cost: float, clock: _VirtualClock):
+        super().__init__(config)
+        self.name, self.cost, self.clock = name, cost, clock
+
+    def forward(self, input_ids=None, **kw):
+        self.clock.calls.append(self.name)
+        drift = 1 + 0.5 * ((len(self.clock.calls) - 1) // 4 % 2)  # 4 calls a round; every other round is slower
+        self.clock.now += self.cost * drift
+        return super().forward(input_ids=input_ids, **kw)
+
+
+def test_variants_interleave_and_pair_with_base(tiny_model_dir, monkeypatch):
+    from hybrid_llama.eval import throughput
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(throughput, "time", clock)
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    variants = {"base": (_Costed(cfg, "base", 1.0, clock).eval(), None, "sdpa"),
+                "slow": (_Costed(cfg, "slow", 4.0, clock).eval(), None, "x")}
+    df = measure_throughput(variants, seq_lens=[2, 4], decode_tokens=1, repeats=3, warmup=1)
+    # 2 lengths x 4 rounds; each variant runs a prefill and 1 decode step per round; the order rotates
+    assert clock.calls[::2] == ["base", "slow", "slow", "base"] * 4
+    slow, base = df[df["variant"] == "slow"], df[df["variant"] == "base"]
+    # paired within each round the drift cancels: exactly 1/4 in every round, so no spread
+    assert slow["speedup"].to_numpy() == pytest.approx(0.25)
+    assert slow["speedup_min"].to_numpy() == pytest.approx(0.25)
+    assert slow["speedup_max"].to_numpy() == pytest.approx(0.25)
+    assert (base["speedup"] == 1.0).all()
+    # while each variant's own times spread with the drift
+    assert (slow["time_s_max"] / slow["time_s_min"]).to_numpy() == pytest.approx(1.5)
+
+
 def test_oom_is_a_row_not_a_crash(tiny_model_dir):
     model = _OomAbove(LlamaConfig.from_pretrained(tiny_model_dir)).eval()
     df = measure_throughput(

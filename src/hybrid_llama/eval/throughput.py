@@ -7,14 +7,18 @@ For each variant and each prompt length L (an exact token count of random ids):
 - decode: from that cache, ``decode_tokens`` greedy steps of one token each.
 
 Each repeat runs a fresh prefill then the decode; ``warmup`` untimed repeats come first; the median
-over ``repeats`` is reported. GPU timings use CUDA events (the decode loop never syncs with the host,
-the argmax token stays on the device); CPU timings use ``time.perf_counter``.
+over ``repeats`` is reported with its min and max. The variants are interleaved round by round on
+the same prompt, and each variant's speed-up over base is the median of per-round ratios: on a
+machine whose speed drifts, a ratio taken within one round is what can be trusted. GPU timings use
+CUDA events (the decode loop never syncs with the host, the argmax token stays on the device); CPU
+timings use ``time.perf_counter``.
 
-Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` before each
-phase. On CPU the process's resident-set high-water mark ``VmHWM`` from ``/proc/self/status``, reset to
-the current RSS before each phase by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0); where that
-is not permitted, ``ru_maxrss`` (lifetime peak, cannot be reset: only the first growth shows). Both
-include the weights and whatever else the process holds; the column ``mem_method`` says which was used.
+Peak memory: a variant's weights plus how far the phase raised the memory high-water mark above its
+level when the phase began. On CUDA that mark is ``torch.cuda.max_memory_allocated`` (reset before
+each phase); on CPU the resident-set high-water mark ``VmHWM`` from ``/proc/self/status``, reset to the
+current RSS by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). Where that is not permitted,
+``ru_maxrss`` (the lifetime peak, which cannot be reset) is reported instead. The column
+``mem_method`` says which was used.
 
 Out-of-memory at a length gives rows with ``status="oom"``; longer lengths of that variant are
 ``"skipped"``. Any other exception gives ``status="error"`` with the message in ``error``.
@@ -38,11 +42,12 @@ from hybrid_llama.runtime import device_name, resolve_dtype
 
 log = logging.getLogger(__name__)
 
+# What one (variant, phase, length) measures; ``speedup*`` are paired with base round by round.
+_MEASURED = ["tokens_per_s", "s_per_token", "time_s", "time_s_min", "time_s_max", "speedup", "speedup_min",
+             "speedup_max", "peak_mem_bytes", "cache_bytes"]
 COLUMNS = [
-    "variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "time_s", "time_s_min",
-    "time_s_max",
-    "peak_mem_bytes", "cache_bytes", "mem_method", "device", "device_name", "dtype", "repeats",
-    "decode_tokens", "status", "error",
+    "variant", "backend", "phase", "seq_len", "batch", *_MEASURED, "mem_method", "device", "device_name",
+    "dtype", "repeats", "decode_tokens", "status", "error",
 ]
 
 Variant = tuple[Any, Any, str]  # (model, tokenizer or None, backend label)
@@ -80,8 +85,16 @@ class PeakMemory:
     def reset(self) -> None:
         if self.method == "cuda_max_allocated":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.level = int(torch.cuda.memory_allocated(self.device))
         elif self.method == "rss_hwm":
             self._clear_refs()
+            self.level = int(_read_hwm())
+        else:
+            self.level = 0  # ru_maxrss cannot be reset: growth is the lifetime peak
+
+    def growth(self) -> int:
+        """How far the peak rose above the level at the last :meth:`reset`."""
+        return max(0, self.peak() - self.level)
 
     def peak(self) -> int:
         if self.method == "cuda_max_allocated":
@@ -168,43 +181,46 @@ def greedy_decode(model, input_ids: torch.Tensor, n: int, *, use_cache: bool = T
 # ---------------------------------------------------------------- measurement
 
 
-def _measure_length(model, seq_len: int, *, batch: int, decode_tokens: int, repeats: int, warmup: int,
-                    device: torch.device, mem: PeakMemory, gen: torch.Generator) -> dict[str, dict]:
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen).to(device)
-    times = {"prefill": [], "decode": []}
-    peaks = {"prefill": 0, "decode": 0}
-    cache_bytes = None
-    for r in range(warmup + repeats):
-        timed = r >= warmup
-        mem.reset()
-        with _Timer(device) as tp:
-            token, cache = prefill(model, ids)
-        peak_p = mem.peak()
-        if cache_bytes is None:
-            cache_bytes = cache_nbytes(cache)
-        mem.reset()
-        with _Timer(device) as td:
-            decode_steps(model, token, cache, decode_tokens)
-        peak_d = mem.peak()
-        del cache, token
-        if timed:
-            times["prefill"].append(tp.seconds)
-            times["decode"].append(td.seconds)
-            peaks["prefill"] = max(peaks["prefill"], peak_p)
-            peaks["decode"] = max(peaks["decode"], peak_d)
+def _weights_nbytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def _run_once(model, ids: torch.Tensor, decode_tokens: int, device: torch.device, mem: PeakMemory) -> dict:
+    """One prefill then ``decode_tokens`` steps from its cache: seconds, working-memory growth, cache bytes."""
+    mem.reset()
+    with _Timer(device) as tp:
+        token, cache = prefill(model, ids)
+    grow_p = mem.growth()
+    size = cache_nbytes(cache)
+    mem.reset()
+    with _Timer(device) as td:
+        decode_steps(model, token, cache, decode_tokens)
+    grow_d = mem.growth()
+    return {"prefill": (tp.seconds, grow_p), "decode": (td.seconds, grow_d), "cache_bytes": size}
+
+
+def _summarise(runs: list[dict], base_runs: list[dict] | None, *, n_tokens: dict[str, int], batch: int,
+               weights: int) -> dict[str, dict]:
+    """Median time per phase, its min/max, and the speed-up over base paired round by round."""
     out = {}
-    for phase, n_tok in (("prefill", seq_len), ("decode", decode_tokens)):
-        t = statistics.median(times[phase])
+    for phase, n_tok in n_tokens.items():
+        times = [r[phase][0] for r in runs]
+        t = statistics.median(times)
+        if base_runs is None:
+            ratios = [1.0] * len(times)
+        else:  # base ran in the same round, right before or after: a ratio per round, then its spread
+            ratios = [b[phase][0] / r[phase][0] for r, b in zip(runs, base_runs)]
         out[phase] = {
             "tokens_per_s": batch * n_tok / t if t > 0 else float("nan"),
             "s_per_token": t / n_tok,
             "time_s": t,
-            # the spread of the timed repeats: how far a single median can be trusted
-            "time_s_min": min(times[phase]),
-            "time_s_max": max(times[phase]),
-            "peak_mem_bytes": peaks[phase],
-            "cache_bytes": cache_bytes,
+            "time_s_min": min(times),
+            "time_s_max": max(times),
+            "speedup": statistics.median(ratios),
+            "speedup_min": min(ratios),
+            "speedup_max": max(ratios),
+            "peak_mem_bytes": weights + max(r[phase][1] for r in runs),
+            "cache_bytes": runs[0]["cache_bytes"],
         }
     return out
 
@@ -231,9 +247,16 @@ def measure_throughput(
     """Tidy ``pandas.DataFrame`` (columns ``COLUMNS``), one row per variant x phase x length.
 
     ``variants`` maps a name to ``(model, tokenizer-or-None, backend label)`` or to a zero-argument
-    callable returning it; callables are built just before their variant is measured and released
-    afterwards, so peak memory reflects one model at a time. ``time_budget_s`` bounds each variant:
-    once its measurements have taken that long, longer lengths are ``skipped``.
+    callable returning it; every variant is built once, up front. The variants are interleaved: at each
+    length, every round (``warmup`` untimed, then ``repeats`` timed) runs each variant once on the
+    same prompt, in an order that rotates from round to round, so a slow spell of the machine hits all
+    of them alike. ``speedup`` is the median over rounds of base's time / the variant's time in that
+    round (``speedup_min``/``_max`` its spread), when a variant named ``base`` is measured.
+
+    ``peak_mem_bytes`` is the variant's own weights plus the most its phase grew the process's memory
+    (see :class:`PeakMemory`), so other loaded variants do not count. ``time_budget_s`` bounds each
+    variant: once its own timed and untimed runs have taken that long, its longer lengths are
+    ``skipped``.
     """
     import pandas as pd
 
@@ -249,55 +272,89 @@ def measure_throughput(
             v = (phase_vals or {}).get(phase, {})
             rows.append({
                 "variant": name, "backend": backend, "phase": phase, "seq_len": length, "batch": batch,
-                "tokens_per_s": v.get("tokens_per_s", float("nan")),
-                "s_per_token": v.get("s_per_token", float("nan")),
-                "time_s": v.get("time_s", float("nan")),
-                "time_s_min": v.get("time_s_min", float("nan")),
-                "time_s_max": v.get("time_s_max", float("nan")),
-                "peak_mem_bytes": v.get("peak_mem_bytes", float("nan")),
-                "cache_bytes": v.get("cache_bytes", float("nan")),
+                **{c: v.get(c, float("nan")) for c in _MEASURED},
                 "mem_method": mem.method, "device": str(dev), "device_name": dname,
                 "dtype": str(tdtype).replace("torch.", ""), "repeats": repeats,
                 "decode_tokens": decode_tokens, "status": status, "error": error,
             })
 
+    built: dict[str, tuple[Any, str]] = {}
+    stopped: dict[str, str] = {}  # name -> why its longer lengths are skipped
     for name, spec in variants.items():
         backend = "?"
         try:
             model, _tok, backend = spec() if callable(spec) else spec
-            model = model.to(device=dev, dtype=tdtype).eval()
+            built[name] = (model.to(device=dev, dtype=tdtype).eval(), backend)
         except Exception as exc:  # a variant that cannot be built must not sink the others
             if not _is_oom(exc):
                 log.exception("variant %s could not be built", name)
             for n in lens:
                 add(name, backend, n, "oom" if _is_oom(exc) else "error", error=f"{type(exc).__name__}: {exc}")
             _free(dev)
-            continue
-        gen = torch.Generator().manual_seed(seed)
-        started, stop = time.perf_counter(), None
-        for n in lens:
-            if stop is not None:
-                add(name, backend, n, "skipped", error=stop)
+    weights = {name: _weights_nbytes(model) for name, (model, _) in built.items()}
+    spent = dict.fromkeys(built, 0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for n in lens:
+        ids = torch.randint(0, _vocab(built), (batch, n), generator=gen).to(dev)
+        runs: dict[str, list[dict]] = {name: [] for name in built if name not in stopped}
+        for r in range(warmup + repeats):
+            names = [name for name in runs if name not in stopped]
+            shift = r % len(names) if names else 0
+            for name in names[shift:] + names[:shift]:
+                model, _ = built[name]
+                t0 = time.perf_counter()
+                try:
+                    once = _run_once(model, ids, decode_tokens, dev, mem)
+                except Exception as exc:
+                    status = "oom" if _is_oom(exc) else "error"
+                    if status == "error":
+                        log.exception("variant %s failed at length %d", name, n)
+                    stopped[name] = f"after {status} at seq_len {n}"
+                    add(name, built[name][1], n, status, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                    _free(dev)
+                    continue
+                spent[name] += time.perf_counter() - t0
+                if r >= warmup:
+                    runs[name].append(once)
+        base = runs.get("base") if "base" in runs and len(runs.get("base", [])) == repeats else None
+        for name, done in runs.items():
+            if len(done) != repeats:
                 continue
-            try:
-                vals = _measure_length(model, n, batch=batch, decode_tokens=decode_tokens, repeats=repeats,
-                                       warmup=warmup, device=dev, mem=mem, gen=gen)
-                add(name, backend, n, "ok", vals)
-                log.info("%s L=%d prefill %.1f tok/s decode %.1f tok/s", name, n,
-                         vals["prefill"]["tokens_per_s"], vals["decode"]["tokens_per_s"])
-            except Exception as exc:
-                status = "oom" if _is_oom(exc) else "error"
-                if status == "error":
-                    log.exception("variant %s failed at length %d", name, n)
-                add(name, backend, n, status, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-                stop = f"after {status} at seq_len {n}"
-                _free(dev)
-            if stop is None and time_budget_s is not None and time.perf_counter() - started > time_budget_s:
-                stop = f"time budget {time_budget_s}s used up"
-        if callable(spec):
-            del model
-        _free(dev)
+            paired = None if name == "base" or base is None else base
+            vals = _summarise(done, paired, n_tokens={"prefill": n, "decode": decode_tokens}, batch=batch,
+                              weights=weights[name])
+            if name != "base" and base is None:
+                for v in vals.values():
+                    v.update(speedup=float("nan"), speedup_min=float("nan"), speedup_max=float("nan"))
+            add(name, built[name][1], n, "ok", vals)
+            log.info("%s L=%d prefill %.1f tok/s decode %.1f tok/s", name, n,
+                     vals["prefill"]["tokens_per_s"], vals["decode"]["tokens_per_s"])
+            if time_budget_s is not None and spent[name] > time_budget_s and name not in stopped:
+                stopped[name] = f"time budget {time_budget_s}s used up"
+        for name, reason in stopped.items():
+            if name in built and not any(r["variant"] == name and r["seq_len"] == n for r in rows):
+                add(name, built[name][1], n, "skipped", error=reason)
+    rows.sort(key=lambda r: (list(variants).index(r["variant"]), r["seq_len"], r["phase"] != "prefill"))
+    built.clear()
+    _free(dev)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _vocab(built: dict[str, tuple[Any, str]]) -> int:
+    return min((m.config.vocab_size for m, _ in built.values()), default=1)
+
+
+def share_measurements(frame, same_as: dict[str, str]):
+    """``frame`` plus a copy of ``source``'s rows for each ``label: source`` in ``same_as``: variants
+    whose hybrid layers are the same code with the same settings run at one speed, measured once."""
+    import pandas as pd
+
+    copies = []
+    for label, source in same_as.items():
+        rows = frame[frame["variant"] == source].copy()
+        rows["variant"] = label
+        copies.append(rows)
+    return pd.concat([frame, *copies], ignore_index=True) if copies else frame
 
 
 def write_csv(df, path: str | Path) -> Path:

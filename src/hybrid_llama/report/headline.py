@@ -26,8 +26,10 @@ from hybrid_llama.report.results import (
     mmlu_metric,
     nll_delta,
     num,
+    paired_speedup,
     passkey_at,
     speed_table,
+    within_noise,
 )
 
 NOT_MEASURED = "not measured"
@@ -99,6 +101,24 @@ def _ratio(x: float, base: float) -> str:
     return f"{x / base:.2f}×" if x / base < 10 else f"{x / base:.1f}×"
 
 
+def _speedup_cell(row: dict, base: dict, href: str, note: str = "") -> Cell:
+    """The median paired speed-up with its min-max spread over the repeats; "within noise" when that
+    spread covers 1.0x, so a reader does not take a wobble for a gain or a loss."""
+    ratio, lo, hi = paired_speedup(row, base)
+    tps, ref = num(row["tokens_per_s"]), num(base["tokens_per_s"])
+    rounds = f"{int(num(row.get('repeats')))} interleaved repeats" if not math.isnan(num(row.get("repeats"))) else ""
+    title = (f"{tps:,.1f} vs base {ref:,.1f} tokens/s ({row['backend']} backend); median of per-repeat ratios "
+             f"{ratio:.2f}×, spread {lo:.2f}–{hi:.2f}× {('over ' + rounds) if rounds else ''}").strip()
+    if lo == hi:
+        return Cell(_ratio(ratio, 1.0), href, title, css="better" if ratio > 1 else "worse", value=ratio, note=note)
+    spread = f"{lo:.2f}–{hi:.2f}×"
+    if within_noise(lo, hi):
+        return Cell(f"{ratio:.2f}× within noise", href, title, value=ratio,
+                    note=" · ".join(x for x in (spread, note) if x), extra={"spread": (lo, hi)})
+    return Cell(_ratio(ratio, 1.0), href, title, css="better" if ratio > 1 else "worse", value=ratio,
+                note=" · ".join(x for x in (spread, note) if x), extra={"spread": (lo, hi)})
+
+
 def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_speed: str,
                  href_cache: str) -> list[Cell]:
     """Prefill tokens/s, decode tokens/s and cache bytes of ``slot`` relative to base at ``length``.
@@ -126,14 +146,11 @@ def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_sp
                 cells[-1].text = status.upper() if status == "oom" else status
             continue
         best = max(ok, key=lambda r: num(r["tokens_per_s"]))
-        tps, ref = num(best["tokens_per_s"]), num(base["tokens_per_s"])
+        tps = num(best["tokens_per_s"])
         if slot == "base":
             cells.append(Cell(f"{tps:,.0f} tok/s", href_speed, f"base {phase} at {length} tokens", value=tps))
             continue
-        cells.append(Cell(_ratio(tps, ref), href_speed,
-                          f"{tps:,.1f} vs base {ref:,.1f} tokens/s ({best['backend']} backend)",
-                          css="better" if tps > ref else "worse", value=tps / ref,
-                          note=best["backend"] if len(labels) > 1 else ""))
+        cells.append(_speedup_cell(best, base, href_speed, note=best["backend"] if len(labels) > 1 else ""))
     base_cache = num(table[("base", "prefill")][length]["cache_bytes"])
     own = [table[(label, "prefill")].get(length) for label in labels]
     sizes = [num(r["cache_bytes"]) for r in own if r is not None]

@@ -38,6 +38,7 @@ from hybrid_llama.report.results import (
     mmlu_metric,
     nll_delta,
     num,
+    paired_speedup,
     passkey_at,
     stage_rows,
 )
@@ -158,7 +159,8 @@ def throughput_tables(rows: list[dict]) -> dict:
                 tps = num(r["tokens_per_s"])
                 cell = f"{tps:,.1f}"
                 if base is not None and v != "base" and base["status"] == "ok":
-                    cell += f" ({tps / num(base['tokens_per_s']):.2f}×)"
+                    ratio, lo, hi = paired_speedup(r, base)
+                    cell += f" ({ratio:.2f}×" + (f", {lo:.2f}–{hi:.2f}" if hi > lo else "") + ")"
                 cells.append(cell)
             table.append({"seq_len": L, "cells": cells})
         phases[phase] = table

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator
 
 from hybrid_llama.eval.mmlu import CHANCE
-from hybrid_llama.report.results import crossover
+from hybrid_llama.report.results import crossover, paired_speedup
 
 # Legends go beside the axes (saved with bbox_inches="tight"), never on top of the lines.
 OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
@@ -78,36 +78,48 @@ def _style(variant: str, k: int) -> dict:
 
 
 def plot_throughput(csv_path: str | Path, out_stem: str | Path, *, title: str | None = None) -> list[Path]:
-    """Prefill and decode tokens/s vs prompt length, log-log, one line per variant and backend; an
-    'x' marks where a variant overtakes base."""
+    """Top: prefill and decode tokens/s vs prompt length, log-log, one line per variant and backend;
+    an 'x' marks where a variant overtakes base. Bottom: each variant's speed-up over base, the median
+    of the per-repeat paired ratios with bars from their min to max, so a gain inside the bars is noise."""
     df = _read_throughput(csv_path)
     ok = df[df["status"] == "ok"]
-    fig = Figure(figsize=(11, 4.6), layout="constrained")
-    axes = fig.subplots(1, 2)
+    fig = Figure(figsize=(11, 8.2), layout="constrained")
+    axes = fig.subplots(2, 2, sharex="col")
     titles = {"prefill": "prefill (whole prompt)", "decode": "decode (after a prompt of that length)"}
-    for ax, phase in zip(axes, ("prefill", "decode")):
-        base = ok[(ok["variant"] == "base") & (ok["phase"] == phase)].set_index("seq_len")["tokens_per_s"]
+    for col, phase in enumerate(("prefill", "decode")):
+        ax, ax_ratio = axes[0, col], axes[1, col]
+        base_rows = ok[(ok["variant"] == "base") & (ok["phase"] == phase)].set_index("seq_len")
         for k, variant in enumerate(df["variant"].unique()):
             g = ok[(ok["variant"] == variant) & (ok["phase"] == phase)].sort_values("seq_len")
             if not len(g):
                 continue
             line = ax.plot(g["seq_len"], g["tokens_per_s"], marker="o", ms=3, label=_variant_label(df, variant),
                            **_style(variant, k))[0]
-            shared = [n for n in g["seq_len"] if n in base.index]
-            ratio = [float(g.set_index("seq_len").loc[n, "tokens_per_s"] / base[n]) for n in shared]
-            cross = crossover(shared, ratio) if variant != "base" else None
+            if variant == "base":
+                continue
+            shared = [n for n in g["seq_len"] if n in base_rows.index]
+            by_len = g.set_index("seq_len")
+            paired = [paired_speedup(by_len.loc[n].to_dict(), base_rows.loc[n].to_dict()) for n in shared]
+            ratio = [p[0] for p in paired]
+            if shared:
+                ax_ratio.errorbar(shared, ratio, yerr=[[p[0] - p[1] for p in paired], [p[2] - p[0] for p in paired]],
+                                  marker="o", ms=3, capsize=2, color=line.get_color(), ls="-")
+            cross = crossover(shared, ratio)
             if cross is not None:
                 y = float(np.exp(np.interp(np.log(cross), np.log(g["seq_len"]), np.log(g["tokens_per_s"]))))
                 ax.plot([cross], [y], marker="x", ms=10, mew=2, color=line.get_color(), ls="none")
                 ax.annotate(f"≈{cross:,.0f}", (cross, y), xytext=(4, 6), textcoords="offset points", fontsize=7,
                             color=line.get_color())
-        log2_axis(ax)
         ax.set_yscale("log")
-        ax.set_xlabel("prompt length (tokens, log scale)")
         ax.set_ylabel("throughput (tokens/s, log scale)")
         ax.set_title(titles[phase])
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(**OUTSIDE, fontsize=8)
+        ax_ratio.axhline(1.0, color="black", ls="--", lw=1.2)
+        ax_ratio.set_ylabel("speed-up over base (×; bars: min–max of repeats)")
+        ax_ratio.set_xlabel("prompt length (tokens, log scale)")
+        for a in (ax, ax_ratio):
+            log2_axis(a)
+            a.grid(True, which="both", alpha=0.3)
+    axes[0, 1].legend(**OUTSIDE, fontsize=8)
     fig.suptitle(title or f"Throughput vs prompt length: {_header(df)} (x: crossover with base)")
     return save_figure(fig, out_stem)
 

@@ -27,7 +27,8 @@ from hybrid_llama.eval.tables import (
 from hybrid_llama.names import SHARED_STAGES, STAGES
 from hybrid_llama.pipeline import parse_result_path
 
-THROUGHPUT_TYPES = {"seq_len": int, "tokens_per_s": float, "cache_bytes": float, "peak_mem_bytes": float}
+THROUGHPUT_TYPES = {"seq_len": int, "tokens_per_s": float, "cache_bytes": float, "peak_mem_bytes": float,
+                    "speedup": float, "speedup_min": float, "speedup_max": float}
 
 
 def num(x: Any) -> float:
@@ -166,18 +167,32 @@ def longest_base_length(rows: list[dict]) -> int | None:
     return max(common) if common else None
 
 
+def paired_speedup(row: dict, base: dict) -> tuple[float, float, float]:
+    """(median, min, max) of a row's speed-up over base: the per-round paired ratios the throughput
+    job wrote, or for files without them (one repeat, older runs) the ratio of tokens/s, no spread."""
+    if not math.isnan(num(row.get("speedup"))):
+        return num(row["speedup"]), num(row.get("speedup_min")), num(row.get("speedup_max"))
+    r = num(row["tokens_per_s"]) / num(base["tokens_per_s"])
+    return r, r, r
+
+
+def within_noise(lo: float, hi: float) -> bool:
+    """True when the spread of the paired ratios reaches both sides of 1.0 (or touches it)."""
+    return lo <= 1.0 <= hi
+
+
 def speed_ratios(rows: list[dict], slot: str, phase: str) -> tuple[list[int], list[float]]:
-    """(lengths, tokens/s of ``slot`` / base's) at every length both ran, the slot's fastest backend
+    """(lengths, speed-up of ``slot`` over base) at every length both ran, the slot's fastest backend
     at each length."""
-    base = {int(r["seq_len"]): num(r["tokens_per_s"]) for r in rows
+    base = {int(r["seq_len"]): r for r in rows
             if r["variant"] == "base" and r["phase"] == phase and r["status"] == "ok"}
     best: dict[int, float] = {}
     for r in rows:
         n = int(r["seq_len"])
         if r["slot"] == slot and r["variant"] != "base" and r["phase"] == phase and r["status"] == "ok" and n in base:
-            best[n] = max(best.get(n, 0.0), num(r["tokens_per_s"]))
+            best[n] = max(best.get(n, 0.0), paired_speedup(r, base[n])[0])
     lengths = sorted(best)
-    return lengths, [best[n] / base[n] for n in lengths]
+    return lengths, [best[n] for n in lengths]
 
 
 def crossover(lengths: list[int], ratio: list[float]) -> float | None:

@@ -11,7 +11,7 @@ from hybrid_llama.eval.mmlu import CHANCE
 from hybrid_llama.eval.tables import BEYOND_WINDOW
 from hybrid_llama.report.formatting import plus_minus
 from hybrid_llama.report.headline import Headline, Row
-from hybrid_llama.report.results import Results, crossover, nll_delta, speed_ratios
+from hybrid_llama.report.results import Results, crossover, nll_delta, speed_ratios, within_noise
 
 MAX_SENTENCES = 8
 PASSKEY_REFERENCE = (
@@ -116,6 +116,9 @@ def speed_sentence(head: Headline, res: Results) -> str | None:
         said = []
         for phase, verb in (("prefill", "prefills"), ("decode", "decodes")):
             said.append(f"{verb} at {cells[phase].value:.2f}×")
+            lo, hi = cells[phase].extra.get("spread", (None, None))
+            if lo is not None:
+                said[-1] += f" ({'within noise, ' if within_noise(lo, hi) else ''}repeats {lo:.2f}–{hi:.2f}×)"
             cross = crossover(*speed_ratios(rows, row.slot, phase))
             if cross is not None:
                 said[-1] += f" (faster than base from about {cross:,.0f} tokens)"
