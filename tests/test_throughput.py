@@ -232,6 +232,12 @@ def test_bench_model_ratios_and_goals(tmp_path):
         "3",
         "--repeats",
         "1",
+        "--formulation",
+        "lolcats",
+        "--sparse-cache",
+        "8",
+        "--sinks",
+        "2",
         "--json",
         str(out),
     ]
@@ -259,6 +265,10 @@ def test_bench_model_ratios_and_goals(tmp_path):
         / pick("decode", "base", 96, "decode", "cache_bytes")
     )
     assert 0.5 < r["cache_ratio"] < 1.0
+    # the sparse-cache variant: same layers plus 8 keys and 2 sinks per KV head, so a larger cache
+    sparse = res["ratios"]["sparse_chunked"]
+    assert r["cache_ratio"] < sparse["cache_ratio"]
+    assert sparse["decode_speedup"] == pytest.approx(pick("decode", "sparse_chunked", 96, "decode", "speedup"))
 
 
 def test_bench_model_goal_verdicts():
