@@ -124,7 +124,7 @@ def hybrid_attention(
         o, _ = hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
         # The decode state stays at the KV heads, as the step reads it.
         return o, prefill_state(k, v, window=window) if output_final_state else None
-    if backend == "auto" and key_padding_mask is None and q.shape[2] <= window:
+    if backend in ("auto", "chunked") and key_padding_mask is None and q.shape[2] <= window:
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
         resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
         return _softmax_only(q, k, v, window=window, feature_map=feature_map, output_final_state=output_final_state)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
@@ -132,6 +133,12 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
     state.v_window[:, :, slot] = v[:, :, 0]
     state.window_valid[:, slot] = True
     state.seen += 1
+    if state.seen <= w and bool(state.window_valid[:, : state.seen].all()):
+        # No key has left the window yet (S = z = 0), so every formulation is plain softmax over the
+        # keys so far, which fill slots 0 .. seen-1 in order: one SDPA call instead of the mix.
+        o = F.scaled_dot_product_attention(q.view(B, Hk, g, D), state.k_window[:, :, : state.seen].to(q.dtype),
+                                           state.v_window[:, :, : state.seen].to(q.dtype))
+        return o.view(B, H, 1, D), state
 
     qf = q.float().view(B, Hk, g, D)
     kw, vw = state.k_window.float(), state.v_window.float()
