@@ -203,6 +203,9 @@ def hybrid_attention_chunked(
         if has_win is None and formulation == "hybrid":
             # Common case (no padding, every window non-empty): the mix without combine's guards.
             out = torch.addcmul(win_avg * a, lin[..., :D], b) / torch.addcmul(a, lin[..., D:], b)
+        elif has_win is None:  # lolcats, same case: win_sum >= 1, so the normalizer is positive
+            w_win = win_sum * a
+            out = torch.addcmul(win_avg * w_win, lin[..., :D], b) / torch.addcmul(w_win, lin[..., D:], b)
         else:
             out = combine(formulation, a, b, win_avg, win_sum, lin[..., :D], lin[..., D:])
         result = _emit(out[:, :, :L], outs, result, t0, T, P)

@@ -114,11 +114,13 @@ def hybrid_attention_step_torch(
 def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
     """The step for a cache that owns its state, without autograd, the new key real: the window then
     always holds a real key (the new one), so the empty-window guards of ``combine`` are not needed,
-    and a full window of real keys needs no mask at all. Every op here is on a few KB: the step's
-    cost is the number of ops, so the mix is written out instead of going through ``combine``."""
+    and a full window of real keys needs no mask at all. Every op here is on a few KB, so the step's
+    cost is the number of ops it issues: products are ``bmm``/``baddbmm`` on 3-D views (a 4-D
+    ``matmul`` adds expand/reshape/view calls around its bmm), and the mixing weights and the
+    accumulations ride on ``baddbmm``'s scaling and its input term."""
     B, H, _, D = q.shape
     Hk, w = k.shape[1], state.window
-    g, slot = H // Hk, state.seen % w
+    g, slot, BH = H // Hk, state.seen % w, B * Hk
     full = state.seen >= w and bool(state.window_valid.all())  # every slot holds a real key
     S, z = state.S, state.z
     if state.seen >= w:  # position seen-w leaves the window: fold it into S, z in place
@@ -126,9 +128,9 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
         if not full:
             phi_old = phi_old * state.window_valid[:, None, slot : slot + 1, None]
         fdim = phi_old.shape[-1]
-        S.view(B * Hk, fdim, D).baddbmm_(phi_old.view(B * Hk, fdim, 1),
-                                         state.v_window[:, :, slot].float().view(B * Hk, 1, D))
-        z.add_(phi_old.view(B, Hk, fdim))
+        phi_old = phi_old.view(BH, fdim, 1)
+        S.view(BH, fdim, D).baddbmm_(phi_old, state.v_window[:, :, slot].float().view(BH, 1, D))
+        z.view(BH, fdim, 1).add_(phi_old)
     state.k_window[:, :, slot] = k[:, :, 0]
     state.v_window[:, :, slot] = v[:, :, 0]
     state.window_valid[:, slot] = True
@@ -140,23 +142,26 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
                                            state.v_window[:, :, : state.seen].to(q.dtype))
         return o.view(B, H, 1, D), state
 
-    qf = q.float().view(B, Hk, g, D)
-    kw, vw = state.k_window.float(), state.v_window.float()
-    scores = torch.matmul(qf * (1.0 / math.sqrt(D)), kw.transpose(-1, -2))  # [B, Hk, g, w]
+    qf = q.float().view(BH, g, D)
+    kw, vw = state.k_window.float().view(BH, w, D), state.v_window.float().view(BH, w, D)
+    scores = torch.bmm(qf, kw.transpose(1, 2))  # [BH, g, w], unscaled: the scale rides on the exp
     if not full:
-        scores = scores.masked_fill(~state.window_valid[:, None, None, :], float("-inf"))
+        scores.view(B, Hk, g, w).masked_fill_(~state.window_valid[:, None, None, :], float("-inf"))
+    scale = 1.0 / math.sqrt(D)
     if formulation == "window":
-        return torch.matmul(torch.softmax(scores, dim=-1), vw).view(B, H, 1, D).to(q.dtype), state
+        return torch.bmm(torch.softmax(scores.mul_(scale), dim=-1), vw).view(B, H, 1, D).to(q.dtype), state
     a, b = mixing_weights(window_logit, linear_logit)
     a, b = a.view(1, Hk, g, 1), b.view(1, Hk, g, 1)
-    phi_q = phi_q_map(q.float()).view(B, Hk, g, -1)  # (a per-head query map sees [B, H, 1, D])
-    lin_num = torch.matmul(phi_q, S)  # [B, Hk, g, D]
-    lin_den = torch.matmul(phi_q, z.unsqueeze(-1))  # [B, Hk, g, 1]
+    # The linear readout's weight b goes into phi(q) once; num and den then each take one baddbmm.
+    phi_q = phi_q_map(q.float()).view(B, Hk, g, -1).mul(b).view(BH, g, -1)  # [BH, g, F]
     if formulation == "lolcats":  # unnormalised exp-scores share the normalizer with the linear part
-        e = (scores - scores.amax(dim=-1, keepdim=True)).exp_()
-        num = torch.matmul(e, vw).mul_(a).add_(lin_num.mul_(b))
-        den = e.sum(dim=-1, keepdim=True).mul_(a).add_(lin_den.mul_(b))
-    else:
-        num = torch.matmul(torch.softmax(scores, dim=-1), vw).mul_(a).add_(lin_num.mul_(b))
-        den = lin_den.mul_(b).add_(a)
+        e = scores.sub_(scores.amax(dim=-1, keepdim=True)).mul_(scale).exp_()
+        e.view(B, Hk, g, w).mul_(a)
+        num = torch.baddbmm(torch.bmm(e, vw), phi_q, S.view(BH, -1, D))
+        den = torch.baddbmm(e.sum(dim=-1, keepdim=True), phi_q, z.view(BH, -1, 1))
+    else:  # hybrid: the softmax average enters with weight a, its normalizer is a
+        p = torch.softmax(scores.mul_(scale), dim=-1)
+        p.view(B, Hk, g, w).mul_(a)
+        num = torch.baddbmm(torch.bmm(p, vw), phi_q, S.view(BH, -1, D))
+        den = torch.baddbmm(a.expand(B, Hk, g, 1).reshape(BH, g, 1), phi_q, z.view(BH, -1, 1))
     return num.div_(den).view(B, H, 1, D).to(q.dtype), state

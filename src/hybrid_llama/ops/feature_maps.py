@@ -49,10 +49,33 @@ class HedgehogFeatureMap(nn.Module):
             raise ValueError(
                 f"HedgehogFeatureMap({self.num_heads} heads, dim {self.head_dim}) got input {tuple(x.shape)}"
             )
-        # Project in fp32: the softmax over features is the whole map, keep it accurate.
-        proj = torch.matmul(x.float(), self.weight.float()) + self.bias.float()  # [B, H, T, Fh]
-        out = torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+        # softmax(x W + b) ++ softmax(-(x W + b)): one product with [W, -W] and one softmax over the
+        # stacked pair, in fp32 (the softmax over features is the whole map, keep it accurate).
+        weight, bias = self.signed_parameters()
+        xf = x.float()
+        if x.shape[0] == 1:  # one fused bmm + bias over the heads (a 4-D matmul issues several ops)
+            proj = torch.baddbmm(bias, xf[0], weight).unsqueeze(0)  # [1, H, T, 2 Fh]
+        else:
+            proj = torch.matmul(xf, weight) + bias  # [B, H, T, 2 Fh]
+        out = torch.softmax(proj.unflatten(-1, (2, self.feature_dim)), dim=-1).flatten(-2)
         return out.to(x.dtype)
+
+    def signed_parameters(self) -> tuple[Tensor, Tensor]:
+        """``[W, -W]`` ``[H, D, 2 Fh]`` and ``[b, -b]`` ``[H, 1, 2 Fh]`` in fp32. Without autograd they
+        are kept until the parameters change (a decode step maps one token: rebuilding them would
+        cost as much as the map itself)."""
+        if torch.is_grad_enabled():
+            return self._signed()
+        key = (self.weight._version, self.bias._version, self.weight.data_ptr(), self.bias.data_ptr())
+        if getattr(self, "_signed_key", None) != key:
+            with torch.no_grad():
+                self._signed_cache = self._signed()
+            self._signed_key = key
+        return self._signed_cache
+
+    def _signed(self) -> tuple[Tensor, Tensor]:
+        w, b = self.weight.float(), self.bias.float()
+        return torch.cat([w, -w], dim=-1), torch.cat([b, -b], dim=-1)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"

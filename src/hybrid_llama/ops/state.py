@@ -159,12 +159,8 @@ def prefill_state(
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = k.shape
-    real = (
-        key_padding_mask
-        if key_padding_mask is not None
-        else torch.ones(B, T, dtype=torch.bool, device=k.device)
-    )
-    if real.shape != (B, T) or real.dtype != torch.bool:
+    real = key_padding_mask
+    if real is not None and (real.shape != (B, T) or real.dtype != torch.bool):
         raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
 
     state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
@@ -172,14 +168,21 @@ def prefill_state(
     if linear_sums is not None:
         state.S, state.z = linear_sums
     elif n_lin > 0:
-        state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], real[:, :n_lin], feature_map)
-    kept = torch.arange(n_lin, T, device=k.device)  # the last min(T, w) positions
-    slots = kept % window
-    k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
-    k_window[:, :, slots] = k[:, :, kept]
-    v_window[:, :, slots] = v[:, :, kept].to(v_window.dtype)
-    valid[:, slots] = real[:, kept]
-    state.k_window, state.v_window, state.window_valid, state.seen = k_window, v_window, valid, T
+        state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], None if real is None else real[:, :n_lin],
+                                          feature_map)
+    # The last min(T, w) positions n_lin .. T-1 go to slots p % w: a run from slot n_lin % w to the
+    # ring's end, then one from slot 0. Slice copies into the fresh buffers, no index tensors.
+    start, n_keep = n_lin % window, T - n_lin
+    first = min(n_keep, window - start)
+    for slot, pos, n in ((start, n_lin, first), (0, n_lin + first, n_keep - first)):
+        if n:
+            state.k_window[:, :, slot : slot + n] = k[:, :, pos : pos + n]
+            state.v_window[:, :, slot : slot + n] = v[:, :, pos : pos + n]
+            if key_padding_mask is None:
+                state.window_valid[:, slot : slot + n] = True
+            else:
+                state.window_valid[:, slot : slot + n] = real[:, pos : pos + n]
+    state.seen = T
     return state
 
 
