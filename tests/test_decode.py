@@ -264,3 +264,30 @@ def test_in_place_steps_equal_functional_steps(formulation, fmap):
             got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert_states_equal(owned, functional)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_in_place_steps_after_a_prefill_equal_functional_steps(padded):
+    """From a prefill's state (which records whether every key was real, so the in-place step may
+    skip reading the window's mask), the in-place steps still equal the functional ones; with a
+    padded key in the prefill's window the mask must be read, and it is."""
+    B, H, Hk, T, D, w = 2, 4, 2, 9, 8, 6
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, T + 12, D, generator=g) for h in (H, Hk, Hk))
+    wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    feature = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    if padded:
+        mask[0, T - 2] = False  # still inside the window when decoding starts
+    kw = dict(feature_map=feature, formulation="lolcats", backend="torch")
+    with torch.no_grad():
+        pre = dict(window=w, feature_map=feature, key_padding_mask=mask if padded else None)
+        functional = prefill_state(k[:, :, :T], v[:, :, :T], **pre)
+        owned = prefill_state(k[:, :, :T], v[:, :, :T], **pre)
+        assert owned.all_real is (None if padded else True)
+        for t in range(T, T + 12):
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            want, functional = hybrid_attention_step(*step, functional, wl, ll, **kw)
+            got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_states_equal(owned, functional)

@@ -121,7 +121,7 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
     B, H, _, D = q.shape
     Hk, w = k.shape[1], state.window
     g, slot, BH = H // Hk, state.seen % w, B * Hk
-    full = state.seen >= w and bool(state.window_valid.all())  # every slot holds a real key
+    full = state.seen >= w and (state.all_real or bool(state.window_valid.all()))  # every slot holds a real key
     S, z = state.S, state.z
     if state.seen >= w:  # position seen-w leaves the window: fold it into S, z in place
         phi_old = phi_k_map(state.k_window[:, :, slot : slot + 1].float())  # [B, Hk, 1, F]
@@ -135,7 +135,7 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
     state.v_window[:, :, slot] = v[:, :, 0]
     state.window_valid[:, slot] = True
     state.seen += 1
-    if state.seen <= w and bool(state.window_valid[:, : state.seen].all()):
+    if state.seen <= w and (state.all_real or bool(state.window_valid[:, : state.seen].all())):
         # No key has left the window yet (S = z = 0), so every formulation is plain softmax over the
         # keys so far, which fill slots 0 .. seen-1 in order: one SDPA call instead of the mix.
         o = F.scaled_dot_product_attention(q.view(B, Hk, g, D), state.k_window[:, :, : state.seen].to(q.dtype),

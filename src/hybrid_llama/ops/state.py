@@ -77,6 +77,9 @@ class HybridState:
     z: Tensor  # [B, H, F]    fp32, sum of phi(k)
     seen: int  # tokens consumed; the next token goes to slot seen % w
     sparse: SparseState | None = None  # sinks, pending block and sparse cache (sparse_cache module)
+    # True when every key consumed so far is known to be real (no padding): the in-place step then
+    # skips reading window_valid back to the host. None = not known, look at window_valid.
+    all_real: bool | None = None
 
     @property
     def window(self) -> int:
@@ -87,14 +90,14 @@ class HybridState:
         pick = lambda x: x.index_select(0, batch_index.to(x.device))  # noqa: E731
         return HybridState(
             pick(self.k_window), pick(self.v_window), pick(self.window_valid), pick(self.S), pick(self.z), self.seen,
-            None if self.sparse is None else self.sparse.map(lambda _, t: pick(t)),
+            None if self.sparse is None else self.sparse.map(lambda _, t: pick(t)), self.all_real,
         )
 
     def detach(self) -> HybridState:
         """The same state cut from autograd (a cache never backpropagates into its prefill)."""
         return HybridState(
             self.k_window.detach(), self.v_window.detach(), self.window_valid, self.S.detach(), self.z.detach(),
-            self.seen, None if self.sparse is None else self.sparse.map(lambda _, t: t.detach()),
+            self.seen, None if self.sparse is None else self.sparse.map(lambda _, t: t.detach()), self.all_real,
         )
 
     def nbytes(self) -> int:
@@ -114,6 +117,7 @@ class HybridState:
             None if self.sparse is None else self.sparse.map(
                 lambda name, t: t.to(device=device, dtype=dtype if name.endswith(("_k", "_v")) else None)
             ),
+            self.all_real,
         )
 
 
@@ -183,6 +187,7 @@ def prefill_state(
             else:
                 state.window_valid[:, slot : slot + n] = real[:, pos : pos + n]
     state.seen = T
+    state.all_real = key_padding_mask is None or None
     return state
 
 
