@@ -142,10 +142,14 @@ def hybrid_attention_chunked(
         # batches), so broadcasting to the g query heads there costs what the copy always did.
         kk = kw.unfold(2, 2 * w, w)[:, :, None]
         vv = vw.unfold(2, 2 * w, w).transpose(-1, -2)[:, :, None]
-        if key_padding_mask is None and front == 0:
-            # Every key is real: only the band matters. One fused op: bias + scale * q k^T.
+        if key_padding_mask is None:
+            # Every key is real: only the band matters. One fused op: bias + scale * q k^T. In slab 0
+            # the keys before position 0 (block -1) are the front padding: block 0 must not see them,
+            # and every query still has its own key, so no window is empty.
             kb = kk.expand(B, Hk, g, n, D, 2 * w).reshape(B * H * n, D, 2 * w)
             scores = torch.baddbmm(band_bias, qs.reshape(B * H * n, w, D), kb, alpha=scale).view(B, H, n, w, 2 * w)
+            if front:
+                scores[:, :, 0, :, :front] = float("-inf")
             has_win = None
         else:
             scores = torch.matmul(qs.reshape(B, Hk, g, n, w, D) * scale, kk).view(B, H, n, w, 2 * w)
@@ -175,8 +179,10 @@ def hybrid_attention_chunked(
         phi_q = phi_q_map(qs)
         Fd = phi_q.shape[-1]
         phi_k = phi_k_map(kw[:, :, :Lp])
-        if key_padding_mask is not None or front:
+        if key_padding_mask is not None:
             phi_k = phi_k * ok[:, None, :Lp, None]  # padded keys never enter S or z (phi(0) = 1)
+        elif front:
+            phi_k = _pad_time(phi_k[:, :, front:], front, 0)  # nor do the zero keys before position 0
         v1 = torch.cat([vw[:, :, :Lp], torch.ones_like(vw[:, :, :Lp, :1])], dim=-1)  # ones -> den
         qc = phi_q.reshape(B, Hk, g, nc, C, Fd)
         kc = phi_k.reshape(B, Hk, 1, nc, C, Fd)
