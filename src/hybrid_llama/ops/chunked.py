@@ -53,6 +53,26 @@ def _pad_time(x: Tensor, before: int, after: int) -> Tensor:
     return F.pad(x, (0, 0, before, after)) if before or after else x
 
 
+def _grouped(x: Tensor, kv_heads: int, g: int, blocks: int, size: int) -> Tensor:
+    """``[B, H, blocks * size, X]`` -> ``[B * Hk * blocks, g * size, X]`` (a copy): per KV head and
+    block, the rows of its g query heads stacked, so one bmm against the block's keys serves them all."""
+    B, X = x.shape[0], x.shape[-1]
+    return x.reshape(B, kv_heads, g, blocks, size, X).transpose(2, 3).reshape(B * kv_heads * blocks, g * size, X)
+
+
+def _window_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
+    """A grouped window result ``[B * Hk * n, g * w, X]`` (n = chunks * per_chunk blocks) as the view
+    ``[B, Hk, g, chunks, per_chunk, w, X]``, positions in order (the layout the mix is done in)."""
+    return y.view(-1, kv_heads, chunks, per_chunk, g, y.shape[-2] // g, y.shape[-1]).permute(0, 1, 4, 2, 3, 5, 6)
+
+
+def _chunk_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
+    """A grouped linear result ``[B * Hk * chunks, g * C, X]`` (C = per_chunk * w) as the same view
+    ``[B, Hk, g, chunks, per_chunk, w, X]`` as :func:`_window_7d`'s."""
+    w = y.shape[-2] // (g * per_chunk)
+    return y.view(-1, kv_heads, chunks, g, per_chunk, w, y.shape[-1]).permute(0, 1, 3, 2, 4, 5, 6)
+
+
 def _emit(out: Tensor, outs: list[Tensor], result: Tensor | None, t0: int, T: int, P: int) -> Tensor | None:
     """Keep one slab's output: written in place into ``result`` at inference (no final cat), else
     collected in ``outs`` for autograd. Returns ``result`` (allocated on the first inference slab)."""
@@ -119,7 +139,10 @@ def hybrid_attention_chunked(
     band_bias = torch.zeros(w, 2 * w, device=q.device).masked_fill_(~band, float("-inf"))
 
     a, b = mixing_weights(window_logit, linear_logit)
-    carry = None  # [S | z] over every key before the slab, [B, Hk, 1, F, D+1]
+    a7, b7 = a.view(1, Hk, g, 1, 1, 1, 1), b.view(1, Hk, g, 1, 1, 1, 1)  # per query head, 7-D layout below
+    band_bias_g = band_bias.repeat(g, 1)  # [g w, 2w]: the g query heads' rows of a block share the band
+    m = C // w  # window blocks per linear chunk
+    carry = None  # [S | z] over every key before the slab, [B, Hk, F, D+1]
     sums = None  # [S | z] over the keys 0 .. T-1-w, for the final state
     outs, result, lower = [], None, None
     for t0 in range(0, T, P):
@@ -136,46 +159,46 @@ def hybrid_attention_chunked(
         qs = _pad_time(q[:, :, t0:t1], 0, Lp - L)
         n, nc = Lp // w, Lp // C
 
-        # ---- window part: blocks of w queries against the 2w keys ending at the block's end.
-        # Key blocks: unfold views with a size-1 group dim, [B, Hk, 1, n, D, 2w] and [B, Hk, 1, n, 2w, D].
-        # The matmuls copy them into their operand buffers anyway (unfold views are not strided
-        # batches), so broadcasting to the g query heads there costs what the copy always did.
-        kk = kw.unfold(2, 2 * w, w)[:, :, None]
-        vv = vw.unfold(2, 2 * w, w).transpose(-1, -2)[:, :, None]
+        # ---- window part: blocks of w queries against the 2w keys ending at the block's end. Each
+        # KV head's block is one batch entry whose rows are its g query heads' w queries (grouped),
+        # so the keys are never copied per query head. Key blocks: unfold views [B, Hk, n, D, 2w].
+        kb = kw.unfold(2, 2 * w, w).reshape(B * Hk * n, D, 2 * w)
+        vb = vw.unfold(2, 2 * w, w).transpose(-1, -2).reshape(B * Hk * n, 2 * w, D)
+        qg = _grouped(qs, Hk, g, n, w)  # [B Hk n, g w, D]
         if key_padding_mask is None:
             # Every key is real: only the band matters. One fused op: bias + scale * q k^T. In slab 0
             # the keys before position 0 (block -1) are the front padding: block 0 must not see them,
             # and every query still has its own key, so no window is empty.
-            kb = kk.expand(B, Hk, g, n, D, 2 * w).reshape(B * H * n, D, 2 * w)
-            scores = torch.baddbmm(band_bias, qs.reshape(B * H * n, w, D), kb, alpha=scale).view(B, H, n, w, 2 * w)
+            scores = torch.baddbmm(band_bias_g, qg, kb, alpha=scale)
             if front:
-                scores[:, :, 0, :, :front] = float("-inf")
+                scores.view(B, Hk, n, g * w, 2 * w)[:, :, 0, :, :front] = float("-inf")
             has_win = None
         else:
-            scores = torch.matmul(qs.reshape(B, Hk, g, n, w, D) * scale, kk).view(B, H, n, w, 2 * w)
-            allowed = band & ok.unfold(1, 2 * w, w)[:, None, :, None, :]  # [B, 1, n, w, 2w]
+            scores = torch.bmm(qg * scale, kb).view(B, Hk, n, g, w, 2 * w)
+            allowed = band & ok.unfold(1, 2 * w, w)[:, None, :, None, None, :]  # [B, 1, n, 1, w, 2w]
             has_win = allowed.any(dim=-1, keepdim=True)
             # Rows without a real key get a dummy softmax (finite) and win_sum = 0 below.
-            scores = scores.masked_fill(~(allowed | ~has_win), float("-inf"))
+            scores = scores.masked_fill(~(allowed | ~has_win), float("-inf")).view(B * Hk * n, g * w, 2 * w)
+            has_win = _window_7d(has_win.view(B * n, w, 1), 1, 1, nc, m)
         p = torch.softmax(scores, dim=-1)
-        win_avg = torch.matmul(p.view(B, Hk, g, n, w, 2 * w), vv).reshape(B, H, Lp, D)
+        win_avg = _window_7d(torch.bmm(p, vb), Hk, g, nc, m)  # [B, Hk, g, nc, m, w, D] view
         if formulation == "lolcats":
             # sum_j exp(s_j - max s) = 1 / max_j softmax_j: recovers LoLCATs' unnormalised sum.
-            win_sum = 1.0 / p.amax(dim=-1, keepdim=True)
+            win_sum = _window_7d(1.0 / p.amax(dim=-1, keepdim=True), Hk, g, nc, m)
             if has_win is not None:
                 win_sum = win_sum * has_win
-            win_sum = win_sum.reshape(B, H, Lp, 1)
         elif has_win is not None:
-            win_sum = has_win.to(q.dtype).reshape(B, 1, Lp, 1)
+            win_sum = has_win.to(q.dtype)
         else:
             win_sum = p.new_ones(())  # hybrid only needs "the window is non-empty"
         if formulation == "window":
-            out = win_avg if has_win is None else win_avg * has_win.to(q.dtype).reshape(B, 1, Lp, 1)
-            result = _emit(out[:, :, :L], outs, result, t0, T, P)
+            out = win_avg if has_win is None else win_avg * has_win.to(q.dtype)
+            result = _emit(out.reshape(B, H, Lp, D)[:, :, :L], outs, result, t0, T, P)
             continue
 
         # ---- linear part: causal linear attention over the shifted keys, chunks of C. phi(k), the
-        # chunk states, their prefix sums and the carry are per KV head ([B, Hk, 1, ...]).
+        # chunk states, their prefix sums and the carry are per KV head; the queries are grouped per
+        # KV head as in the window part.
         phi_q = phi_q_map(qs)
         Fd = phi_q.shape[-1]
         phi_k = phi_k_map(kw[:, :, :Lp])
@@ -184,42 +207,44 @@ def hybrid_attention_chunked(
         elif front:
             phi_k = _pad_time(phi_k[:, :, front:], front, 0)  # nor do the zero keys before position 0
         v1 = torch.cat([vw[:, :, :Lp], torch.ones_like(vw[:, :, :Lp, :1])], dim=-1)  # ones -> den
-        qc = phi_q.reshape(B, Hk, g, nc, C, Fd)
-        kc = phi_k.reshape(B, Hk, 1, nc, C, Fd)
-        vc = v1.reshape(B, Hk, 1, nc, C, D + 1)
-        kv = torch.matmul(kc.transpose(-1, -2), vc)  # [B, Hk, 1, nc, F, D+1]: each chunk's increment
+        qc = _grouped(phi_q, Hk, g, nc, C)  # [B Hk nc, g C, F]
+        kc = phi_k.reshape(B * Hk * nc, C, Fd)
+        vc = v1.reshape(B * Hk * nc, C, D + 1)
+        kv = torch.bmm(kc.transpose(1, 2), vc).view(B, Hk, nc, Fd, D + 1)  # each chunk's increment
         # State entering each chunk = carry + sum of the earlier chunks' increments: an exclusive
         # prefix sum, done as one small matmul with a strictly lower-triangular matrix (faster than
         # a strided cumsum on CPU).
         if lower is None or lower.shape[0] != nc:
             lower = torch.ones(nc, nc, dtype=q.dtype, device=q.device).tril_(-1)
-        state_in = torch.matmul(lower, kv.reshape(B, Hk, 1, nc, -1)).view(B, Hk, 1, nc, Fd, D + 1)
+        state_in = torch.matmul(lower, kv.reshape(B, Hk, nc, -1)).view(B, Hk, nc, Fd, D + 1)
         if output_final_state and t1 == T:
             # The padded tail rows L.. of the last slab are keys still in the window (or beyond T).
-            tail = kv.sum(dim=3) if Lp == L else (phi_k[:, :, :L].transpose(-1, -2) @ v1[:, :, :L])[:, :, None]
+            tail = kv.sum(dim=2) if Lp == L else phi_k[:, :, :L].transpose(-1, -2) @ v1[:, :, :L]
             sums = tail if carry is None else carry + tail
         if carry is not None:
-            state_in = state_in + carry[:, :, :, None]
-            carry = carry + kv.sum(dim=3)
+            state_in = state_in + carry[:, :, None]
+            carry = carry + kv.sum(dim=2)
         else:
-            carry = kv.sum(dim=3)
-        intra = torch.matmul(qc, kc.transpose(-1, -2)).tril_()  # [B, Hk, g, nc, C, C], causal incl. diagonal
-        lin = (torch.matmul(qc, state_in) + torch.matmul(intra, vc)).reshape(B, H, Lp, D + 1)
+            carry = kv.sum(dim=2)
+        intra = torch.bmm(qc, kc.transpose(1, 2))  # [B Hk nc, g C, C]
+        intra.view(-1, g, C, C).tril_()  # causal within the chunk, diagonal included
+        lin = torch.baddbmm(torch.bmm(qc, state_in.view(B * Hk * nc, Fd, D + 1)), intra, vc)
+        lin = _chunk_7d(lin, Hk, g, nc, m)  # [B, Hk, g, nc, m, w, D+1], aligned with win_avg
 
         if has_win is None and formulation == "hybrid":
             # Common case (no padding, every window non-empty): the mix without combine's guards.
-            out = torch.addcmul(win_avg * a, lin[..., :D], b) / torch.addcmul(a, lin[..., D:], b)
+            out = torch.addcmul(win_avg * a7, lin[..., :D], b7) / torch.addcmul(a7, lin[..., D:], b7)
         elif has_win is None:  # lolcats, same case: win_sum >= 1, so the normalizer is positive
-            w_win = win_sum * a
-            out = torch.addcmul(win_avg * w_win, lin[..., :D], b) / torch.addcmul(w_win, lin[..., D:], b)
+            w_win = win_sum * a7
+            out = torch.addcmul(win_avg * w_win, lin[..., :D], b7) / torch.addcmul(w_win, lin[..., D:], b7)
         else:
-            out = combine(formulation, a, b, win_avg, win_sum, lin[..., :D], lin[..., D:])
-        result = _emit(out[:, :, :L], outs, result, t0, T, P)
+            out = combine(formulation, a7, b7, win_avg, win_sum, lin[..., :D], lin[..., D:])
+        result = _emit(out.reshape(B, H, Lp, D)[:, :, :L], outs, result, t0, T, P)
     if result is None:
         result = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     final_state = None
     if output_final_state:
-        linear_sums = None if sums is None else (sums[:, :, 0, :, :D], sums[:, :, 0, :, D])
+        linear_sums = None if sums is None else (sums[..., :D], sums[..., D])
         final_state = prefill_state(
             k_in, v_in, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
             linear_sums=linear_sums,
