@@ -53,19 +53,27 @@ def save_hybrid(model: nn.Module, path: str | Path, tokenizer=None, *, card: str
     return path
 
 
+def _checkpoint_format(path: Path) -> str | None:
+    """'hybrid_llama' (this model type), 'llama+hybrid' (the format before it: model type llama with
+    a "hybrid" block) or None (not a saved hybrid), from ``path/config.json``."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") == MODEL_TYPE:
+        return MODEL_TYPE
+    return "llama+hybrid" if config.get("hybrid") is not None else None
+
+
 def is_hybrid_checkpoint(path: str | Path) -> bool:
-    """Whether ``path/config.json`` describes a saved hybrid: model type ``hybrid_llama``, or the
-    earlier format (model type ``llama`` with a "hybrid" block)."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return config.get("model_type") == MODEL_TYPE or config.get("hybrid") is not None
+    """Whether ``path/config.json`` describes a saved hybrid, in either format."""
+    return _checkpoint_format(Path(path)) is not None
 
 
 def hybrid_llama_config(path: str | Path) -> HybridLlamaConfig:
     """The ``HybridLlamaConfig`` of a saved hybrid, from either format (see ``is_hybrid_checkpoint``)."""
     path = Path(path)
-    if not is_hybrid_checkpoint(path):
+    fmt = _checkpoint_format(path)
+    if fmt is None:
         raise ValueError(f"{path}/config.json has no 'hybrid' block: not a hybrid checkpoint")
-    if json.loads((path / "config.json").read_text())["model_type"] == MODEL_TYPE:
+    if fmt == MODEL_TYPE:
         return HybridLlamaConfig.from_pretrained(path)
     return HybridLlamaConfig.from_llama(LlamaConfig.from_pretrained(path))
 
