@@ -382,6 +382,30 @@ def test_auto_model_in_fresh_processes(lively_dir, tmp_path):
     assert "hybrid_llama" in out.stderr and "does not recognize this architecture" in out.stderr, out.stderr[-2000:]
 
 
+def test_auto_from_config_and_transformers_save_pretrained(tmp_path):
+    """The model type is an ordinary transformers model: from_config converts the configured layers
+    (initialized like the rest), and transformers' own save_pretrained round-trips through the Auto classes."""
+    config = HybridLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=320,
+                               hybrid={"layers": [1, 3], "window": 8, "formulation": "lolcats",
+                                       "feature_map": "hedgehog"})
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is HybridLlamaForCausalLM
+    assert [isinstance(block.self_attn, HybridLlamaAttention) for block in model.model.layers] == [False, True,
+                                                                                                   False, True]
+    q = model.model.layers[1].self_attn.q_proj.weight.detach()
+    assert abs(float(q.std()) - config.initializer_range) < 0.005  # not nn.Linear's default init
+    model.save_pretrained(tmp_path / "hf")
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model.eval()(ids).logits)
+    with pytest.raises(ValueError, match="needs config.hybrid"):
+        HybridLlamaForCausalLM(HybridLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, vocab_size=320))
+
+
 def test_earlier_format_still_loads(lively_dir, tmp_path):
     """Checkpoints of the earlier format (model_type llama + "hybrid" block) load through
     load_hybrid / load_model as the same hybrid."""
