@@ -376,7 +376,8 @@ def test_auto_model_in_fresh_processes(lively_dir, tmp_path):
         assert torch.equal(load_file(str(tmp_path / "logits.safetensors"))["logits"], pipeline(ids).logits)
 
     (tmp_path / "logits.safetensors").unlink()
-    out = _python("import sys\n" + load + "assert 'hybrid_llama' not in sys.modules\n")
+    # nothing in this process imports the package (transformers included): the model type is unknown
+    out = _python("import sys\nimport transformers\nassert 'hybrid_llama' not in sys.modules\n" + load)
     assert out.returncode != 0 and not (tmp_path / "logits.safetensors").exists()
     assert "LlamaForCausalLM" not in out.stdout
     assert "hybrid_llama" in out.stderr and "does not recognize this architecture" in out.stderr, out.stderr[-2000:]
