@@ -19,8 +19,18 @@ os.environ.update(
     PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 )
 
+# Parsing needs only the pipeline's vocabulary: importing the package without registering the
+# hybrid_llama model type with transformers keeps torch out of this process (hybrid_llama.registration).
+# The jobs start after parsing, without the variable, and register as usual.
+_register = os.environ.get("HYBRID_LLAMA_REGISTER")
+os.environ["HYBRID_LLAMA_REGISTER"] = "0"
 from hybrid_llama.config import ConfigError, canonical  # noqa: E402
 from hybrid_llama.pipeline import Pipeline, is_cuda, path  # noqa: E402
+
+if _register is None:
+    del os.environ["HYBRID_LLAMA_REGISTER"]
+else:
+    os.environ["HYBRID_LLAMA_REGISTER"] = _register
 
 try:
     P = Pipeline(config, Path(workflow.basedir))
