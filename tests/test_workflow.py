@@ -266,6 +266,26 @@ def test_good_test_config_dry_run(wf_copy):
     assert ("report", "results/report.html") in jobs
 
 
+_PARSE_PROBE = """
+import os, sys
+from snakemake.cli import main
+sys.argv = ["snakemake", "-n", "--cores", "1", "--configfile", "config/test.yaml", "--replace-workflow-config"]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules, "transformers" in sys.modules, os.environ.get("HYBRID_LLAMA_REGISTER"))
+"""
+
+
+def test_parsing_keeps_torch_out(wf_copy):
+    """The Snakefile imports the package without registering the model type (which would import torch
+    and transformers: seconds per snakemake call, per job on a cluster), and leaves the environment
+    as it found it, so the jobs register."""
+    out = subprocess.run([sys.executable, "-c", _PARSE_PROBE], cwd=wf_copy, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.stdout.split("\n")[-2] == "0 False False None", out.stdout[-2000:] + out.stderr[-2000:]
+
+
 def test_derived_variants_plan_no_training_of_their_own(wf_copy, tmp_path):
     """A variant derived from lc16 trains nothing (its stages read lc16's layers and adapter); one with
     a 'lora' of its own adds one LoRA job, which reads lc16's transfer layers and teacher states."""
