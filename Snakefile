@@ -26,6 +26,7 @@ include: "workflow/rules/finetune.smk"
 include: "workflow/rules/mmlu.smk"
 include: "workflow/rules/quality.smk"
 include: "workflow/rules/throughput.smk"
+include: "workflow/rules/export.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -148,3 +148,24 @@ def test_pipeline_imports_without_torch():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def _imported(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_import_registers_the_model_type_unless_told_not_to():
+    """`import hybrid_llama` registers the hybrid_llama model type with transformers; with
+    HYBRID_LLAMA_REGISTER=0 (the Snakefile's parse) the pipeline imports without torch or transformers."""
+    probe = ("import sys, hybrid_llama.pipeline\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    skipped = _imported(probe, HYBRID_LLAMA_REGISTER="0")
+    assert skipped.returncode == 0 and skipped.stdout.split("\n")[0] == "[]", skipped.stderr
+    registered = _imported(probe + "from transformers import AutoConfig, AutoModelForCausalLM\n"
+                                   "c = AutoConfig.for_model('hybrid_llama', hybrid={'layers': [0]})\n"
+                                   "print(type(c).__name__, AutoModelForCausalLM._model_mapping[type(c)].__name__)\n")
+    assert registered.returncode == 0, registered.stderr
+    assert registered.stdout.split("\n")[:2] == ["['torch', 'transformers']",
+                                                 "HybridLlamaConfig HybridLlamaForCausalLM"]

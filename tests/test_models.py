@@ -5,16 +5,23 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_llama.layers import HybridCacheLayer, keys_valid_from_mask
 from hybrid_llama.models import (
     HybridConfig,
     HybridLlamaAttention,
+    HybridLlamaConfig,
+    HybridLlamaForCausalLM,
     cache_nbytes_by_layer,
     convert_to_hybrid,
     hybrid_cache_nbytes,
@@ -295,6 +302,158 @@ def test_save_load_equal_logits(lively_dir, tmp_path, formulation, feature_map):
     assert tok2("x")["input_ids"] == tok("x")["input_ids"]
 
 
+# ------------------------------------------------------------------- the hybrid_llama model type
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter that has this checkout's src/ on its path and imports nothing else."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _legacy_format(ckpt: Path) -> None:
+    """Rewrite a checkpoint's config.json as save_hybrid wrote it before the model type existed:
+    model_type llama with a "hybrid" block and no architectures."""
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model_type"] = "llama"
+    config.pop("architectures")
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("formulation,feature_map", VARIANTS)
+def test_auto_model_loads_the_hybrid(lively_dir, tmp_path, formulation, feature_map):
+    """AutoModelForCausalLM on a saved hybrid gives the hybrid: every weight from the file, equal
+    logits, the recurrent cache in generate, and generate equal to the pipeline loader's."""
+    model, tok = hybrid_lively(lively_dir, formulation, feature_map)
+    ckpt = save_hybrid(model, tmp_path / "ckpt", tokenizer=tok)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["model_type"] == "hybrid_llama" and config["architectures"] == ["HybridLlamaForCausalLM"]
+    assert isinstance(AutoConfig.from_pretrained(ckpt), HybridLlamaConfig)
+    auto, info = AutoModelForCausalLM.from_pretrained(ckpt, output_loading_info=True)
+    assert type(auto) is HybridLlamaForCausalLM and not auto.training
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert hybrid_config_of(auto) == hybrid_config_of(model)
+    assert set(auto.state_dict()) == set(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(auto.state_dict()[name], value), name
+    pipeline, _ = load_model(ckpt)  # the pipeline's loader: the same class, built the same way
+    assert type(pipeline) is HybridLlamaForCausalLM
+    enc = tok(["the quick brown fox jumps over the lazy dog, again and again"], return_tensors="pt")
+    with torch.no_grad():
+        reference = model(**enc).logits
+        assert torch.equal(auto(**enc).logits, reference)
+        assert torch.equal(pipeline(**enc).logits, reference)
+    n = 24  # >> window 4: the state folds many times
+    cached = auto.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                           return_dict_in_generate=True)
+    assert [type(layer) is HybridCacheLayer for layer in cached.past_key_values.layers] == [True, False, True, False]
+    assert torch.equal(cached.sequences, greedy(model, enc, n))
+    assert torch.equal(cached.sequences, greedy(pipeline, enc, n))
+    assert torch.equal(cached.sequences, greedy(auto, enc, n, use_cache=False))
+    assert len(set(cached.sequences[0, -n:].tolist())) > 5
+
+
+def test_auto_model_in_fresh_processes(lively_dir, tmp_path):
+    """In a fresh process `import hybrid_llama` + AutoModelForCausalLM gives the pipeline loader's
+    logits; without the import the same call fails with transformers' unknown-model-type error."""
+    model, tok = hybrid_lively(lively_dir, "lolcats", "hedgehog")
+    ckpt = save_hybrid(model, tmp_path / "ckpt", tokenizer=tok)
+    ids = tok(["a fresh process loads the hybrid"], return_tensors="pt")["input_ids"]
+    save_file({"ids": ids}, str(tmp_path / "ids.safetensors"))
+    load = (f"import torch\nfrom safetensors.torch import load_file, save_file\n"
+            f"from transformers import AutoModelForCausalLM\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(ckpt)!r})\n"
+            f"print(type(m).__name__)\n"
+            f"with torch.no_grad(): logits = m(load_file({str(tmp_path / 'ids.safetensors')!r})['ids']).logits\n"
+            f"save_file({{'logits': logits}}, {str(tmp_path / 'logits.safetensors')!r})\n")
+    out = _python("import hybrid_llama\n" + load)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "HybridLlamaForCausalLM"
+    pipeline, _ = load_model(ckpt)
+    with torch.no_grad():
+        assert torch.equal(load_file(str(tmp_path / "logits.safetensors"))["logits"], pipeline(ids).logits)
+
+    (tmp_path / "logits.safetensors").unlink()
+    # nothing in this process imports the package (transformers included): the model type is unknown
+    out = _python("import sys\nimport transformers\nassert 'hybrid_llama' not in sys.modules\n" + load)
+    assert out.returncode != 0 and not (tmp_path / "logits.safetensors").exists()
+    assert "LlamaForCausalLM" not in out.stdout
+    assert "hybrid_llama" in out.stderr and "does not recognize this architecture" in out.stderr, out.stderr[-2000:]
+
+
+def test_auto_from_config_and_transformers_save_pretrained(tmp_path):
+    """The model type is an ordinary transformers model: from_config converts the configured layers
+    (initialized like the rest), and transformers' own save_pretrained round-trips through the Auto classes."""
+    config = HybridLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=320,
+                               hybrid={"layers": [1, 3], "window": 8, "formulation": "lolcats",
+                                       "feature_map": "hedgehog"})
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model) is HybridLlamaForCausalLM
+    assert [isinstance(block.self_attn, HybridLlamaAttention) for block in model.model.layers] == [False, True,
+                                                                                                   False, True]
+    q = model.model.layers[1].self_attn.q_proj.weight.detach()
+    assert abs(float(q.std()) - config.initializer_range) < 0.005  # not nn.Linear's default init
+    model.save_pretrained(tmp_path / "hf")
+    again, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model.eval()(ids).logits)
+    with pytest.raises(ValueError, match="needs config.hybrid"):
+        HybridLlamaForCausalLM(HybridLlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                 num_attention_heads=4, vocab_size=320))
+
+
+def test_earlier_format_still_loads(lively_dir, tmp_path):
+    """Checkpoints of the earlier format (model_type llama + "hybrid" block) load through
+    load_hybrid / load_model as the same hybrid."""
+    model, tok = hybrid_lively(lively_dir, "lolcats", "hedgehog")
+    ckpt = save_hybrid(model, tmp_path / "ckpt", tokenizer=tok)
+    _legacy_format(ckpt)
+    old = load_hybrid(ckpt)
+    again, _ = load_model(ckpt)
+    assert type(old) is type(again) is HybridLlamaForCausalLM
+    assert hybrid_config_of(old) == hybrid_config_of(model)
+    enc = tok(["written before the model type existed"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(old(**enc).logits, model(**enc).logits)
+        assert torch.equal(again(**enc).logits, model(**enc).logits)
+    # saving it again writes the new format
+    resaved = save_hybrid(old, tmp_path / "resaved")
+    assert json.loads((resaved / "config.json").read_text())["model_type"] == "hybrid_llama"
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(resaved)(**enc).logits, model(**enc).logits)
+
+
+def test_missing_hybrid_weights_fail_instead_of_initializing(lively_dir, tmp_path):
+    model, tok = hybrid_lively(lively_dir, "lolcats", "hedgehog")
+    ckpt = save_hybrid(model, tmp_path / "ckpt")
+    state = load_file(str(ckpt / "model.safetensors"))
+    del state["model.layers.2.self_attn.feature_map.k.weight"]
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing_keys.*model\.layers\.2\.self_attn\.feature_map\.k\.weight"):
+        AutoModelForCausalLM.from_pretrained(ckpt)
+    with pytest.raises(ValueError, match="missing_keys"):
+        load_hybrid(ckpt)
+
+
+def test_model_card_of_a_saved_hybrid(lively_dir, tmp_path):
+    model, tok = hybrid_lively(lively_dir, "lolcats", "hedgehog")
+    ckpt = save_hybrid(model, tmp_path / "ckpt", tokenizer=tok)
+    card = (ckpt / "README.md").read_text()
+    header = card.split("---\n")[1]
+    assert "library_name: transformers" in header and "pipeline_tag: text-generation" in header
+    assert "base_model:" not in header and "license:" not in header  # unknown here: left out
+    assert "| hybrid layers | 0, 2 |" in card and "| softmax window | 4 tokens |" in card
+    assert "`lolcats`" in card and "`hedgehog`" in card and "| sparse cache | none |" in card
+    assert card.count("not measured") == 2  # training and results: no numbers without result files
+    assert "import hybrid_llama" in card and "python -m hybrid_llama.lm_eval --model hf" in card
+    written = save_hybrid(model, tmp_path / "custom", card="# mine\n")
+    assert (written / "README.md").read_text() == "# mine\n"
+
+
 def test_save_load_tied_embeddings(tmp_path):
     d = resolve_model({"kind": "random", "preset": "tiny", "seed": 2, "tie_word_embeddings": True}, tmp_path / "tied")
     model, tok = load_model(d)
@@ -303,9 +462,12 @@ def test_save_load_tied_embeddings(tmp_path):
     save_hybrid(model, tmp_path / "ckpt")
     loaded = load_hybrid(tmp_path / "ckpt")
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")  # lm_head is not in the file: no error
+    assert auto.lm_head.weight.data_ptr() == auto.model.embed_tokens.weight.data_ptr()
     enc = tok(["tied weights stay tied"], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(loaded(**enc).logits, model(**enc).logits)
+        assert torch.equal(auto(**enc).logits, model(**enc).logits)
 
 
 def test_load_hybrid_dtype_and_errors(lively_dir, tmp_path):
@@ -461,9 +623,15 @@ def test_truncated_artifacts_name_the_file_and_the_rule(tiny_model_dir, tmp_path
     with pytest.raises(ArtifactError, match="--forcerun lora"):
         load_safetensors(layers, rule="lora")
     saved = tmp_path / "saved" / "model.safetensors"
-    saved.write_bytes(saved.read_bytes()[:100])
+    full = saved.read_bytes()
+    saved.write_bytes(full[: len(full) // 2])  # the header is whole, the data is not
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: unreadable or truncated"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    saved.write_bytes(full[:100])
     with pytest.raises(ArtifactError, match=r"model\.safetensors: unreadable or truncated.*save_hybrid"):
         load_hybrid(tmp_path / "saved")
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: unreadable or truncated"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     layers.write_bytes(whole)  # whole again, but loaded as other layers: the specific error stays
     other, _ = load_model(tiny_model_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match="missing keys"):

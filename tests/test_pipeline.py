@@ -343,3 +343,30 @@ def test_sparse_cache_must_be_a_non_negative_integer(value):
     cfg["variants"][1]["hybrid"]["sparse_cache"] = value
     with pytest.raises(Exception, match="sparse_cache"):
         resolved(cfg)
+
+
+def test_exports_are_the_final_trained_stages_and_read_their_owners_metrics():
+    cfg = resolved(DERIVED)
+    cfg["variants"] += [{"name": "ctl", "hybrid": {"layers": [0], "formulation": "window"}, "stages": ["converted"]},
+                        {"name": "tr", "hybrid": {"layers": [0]}, "stages": ["transfer"]}]
+    wf = Pipeline(resolved(cfg), repo=REPO)
+    # untrained controls are not exported; a variant evaluated only after transfer is exported there
+    assert wf.export_slots() == [("v", "transfer_lora"), ("cache", "transfer_lora"), ("cache_ft", "transfer_lora"),
+                                 ("tr", "transfer")]
+    with pytest.raises(ValueError, match="not exported"):
+        wf.export_inputs("m", "ctl")
+    derived = wf.export_inputs("m", "cache")
+    assert derived["layers"] == path("hybrid_layers", model="m", variant="v")
+    assert derived["transfer_metrics"] == path("transfer_metrics", model="m", variant="v")
+    assert derived["lora_metrics"] == path("lora_metrics", model="m", variant="v")
+    assert wf.export_inputs("m", "cache_ft")["lora_metrics"] == path("lora_metrics", model="m", variant="cache_ft")
+    # the card quotes the variant's own quality tables and the throughput it was measured in
+    assert derived["results"] == [path("quality", model="m", variant="cache", device="cpu", kind=k)
+                                  for k in ("perplexity", "passkey")] + [path("throughput", model="m", device="cpu")]
+    only_transfer = wf.export_inputs("m", "tr")
+    assert "lora_metrics" not in only_transfer and "adapter" not in only_transfer
+    exports = wf.report_inputs()["exports"]
+    assert exports == [path("export", model="m", variant=v) for v, _ in wf.export_slots()]
+    assert all(parse_result_path(f) == ("export", {"model": "m", "variant": v})
+               for f, (v, _) in zip(exports, wf.export_slots()))
+    assert parse_result_path(exports[0] + "/README.md")[0] == "model_card"

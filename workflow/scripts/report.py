@@ -19,6 +19,7 @@ write_report(
     plots=list(inp.plots),
     transfer_metrics=list(inp.transfer_metrics),
     lora_metrics=list(inp.lora_metrics),
+    exports=list(inp.exports),
     manifests=list(inp.manifests),
     benchmarks_dir="logs/benchmarks",
     repo_dir=Path(snakemake.scriptdir).parents[1],

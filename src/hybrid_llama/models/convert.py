@@ -52,15 +52,26 @@ def convert_to_hybrid(
     """
     cfg = HybridConfig(layers=list(layers), window=window, formulation=formulation, feature_map=feature_map,
                        backend=backend, sparse_cache=sparse_cache, sinks=sinks, cache_score=cache_score)
+    swap_in_hybrid_attention(model, cfg, check_config=True)
+    model.config.hybrid = cfg.to_dict()
+    return model
+
+
+def swap_in_hybrid_attention(model: nn.Module, cfg: HybridConfig, *, check_config: bool = False) -> nn.Module:
+    """Replace the attention of ``cfg.layers`` by ``make_hybrid_attention`` copies, in place.
+
+    The one conversion step: ``convert_to_hybrid`` calls it on a plain model (``check_config``: refuse a
+    model whose config already records a conversion), ``HybridLlamaForCausalLM`` on itself at
+    construction, where ``config.hybrid`` is the saved settings and the weights come from the checkpoint.
+    """
     blocks = decoder_layers(model)
     bad = [i for i in cfg.layers if not 0 <= i < len(blocks)]
     if bad:
         raise ValueError(f"hybrid layers {bad} out of range: the model has {len(blocks)} layers")
-    if hybrid_config_of(model) is not None:
+    if check_config and hybrid_config_of(model) is not None:
         raise ValueError("model is already converted (model.config.hybrid is set)")
     for i in cfg.layers:
         blocks[i].self_attn = make_hybrid_attention(blocks[i].self_attn, cfg)
-    model.config.hybrid = cfg.to_dict()
     return model
 
 

@@ -1,24 +1,27 @@
 """Models on disk: load a resolved model directory, save and load hybrid models as safetensors +
-config.json (no custom code, no pickle)."""
+config.json (model type ``hybrid_llama``; no custom code, no pickle) + a model card."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hybrid_llama.files import load_safetensors, save_safetensors, unreadable
+from hybrid_llama.files import atomic_write, load_safetensors, safetensors_float_dtype, save_safetensors
 from hybrid_llama.layers import HybridConfig
 from hybrid_llama.runtime import resolve_dtype
 
+from .card import model_card
+from .configuration import MODEL_TYPE, HybridLlamaConfig
 from .convert import convert_to_hybrid, hybrid_config_of, hybrid_parameter_names
+from .modeling import WEIGHTS_NAME, HybridLlamaForCausalLM
 
-WEIGHTS_NAME = "model.safetensors"
+CARD_NAME = "README.md"
 
 
 def _tied_names(model: nn.Module) -> set[str]:
@@ -26,57 +29,62 @@ def _tied_names(model: nn.Module) -> set[str]:
     return {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
 
 
-def save_hybrid(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
-    """Write ``config.json`` (with the "hybrid" block), ``model.safetensors`` and the tokenizer if given."""
-    if hybrid_config_of(model) is None:
+def save_hybrid(model: nn.Module, path: str | Path, tokenizer=None, *, card: str | None = None) -> Path:
+    """Write ``config.json`` (model type ``hybrid_llama`` with the "hybrid" block),
+    ``model.safetensors``, the tokenizer if given and ``README.md``: ``card``, or by default a card
+    from the model's own settings (``models.card.model_card``; results "not measured")."""
+    hybrid = hybrid_config_of(model)
+    if hybrid is None:
         raise ValueError("save_hybrid: model.config.hybrid is not set; call convert_to_hybrid first")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     skip = _tied_names(model)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in skip}
     save_safetensors(path / WEIGHTS_NAME, tensors, metadata={"format": "pt"})
-    model.config.save_pretrained(path)
+    config = HybridLlamaConfig.from_llama(model.config)
+    config.architectures = [HybridLlamaForCausalLM.__name__]
+    config.dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())  # what dtype="auto" loads
+    config.save_pretrained(path)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    atomic_write(path / CARD_NAME, card if card is not None else model_card(hybrid))
     return path
 
 
-def _stored_dtype(file: Path) -> torch.dtype:
-    try:
-        return _first_float_dtype(file)
-    except Exception as exc:  # a truncated export fails here first: name it
-        raise unreadable(file, None, exc) from exc
+def _checkpoint_format(path: Path) -> str | None:
+    """'hybrid_llama' (this model type), 'llama+hybrid' (the format before it: model type llama with
+    a "hybrid" block) or None (not a saved hybrid), from ``path/config.json``."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") == MODEL_TYPE:
+        return MODEL_TYPE
+    return "llama+hybrid" if config.get("hybrid") is not None else None
 
 
-def _first_float_dtype(file: Path) -> torch.dtype:
-    with safe_open(str(file), framework="pt") as f:
-        for key in f.keys():
-            t = f.get_slice(key)
-            dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
-            if dt is not None:
-                return dt
-    return torch.float32
+def is_hybrid_checkpoint(path: str | Path) -> bool:
+    """Whether ``path/config.json`` describes a saved hybrid, in either format."""
+    return _checkpoint_format(Path(path)) is not None
 
 
-def load_hybrid(path: str | Path, *, dtype: torch.dtype | None = None, device=None) -> LlamaForCausalLM:
-    """Rebuild a saved hybrid model: ``LlamaForCausalLM`` from config.json, convert, load strictly."""
+def hybrid_llama_config(path: str | Path) -> HybridLlamaConfig:
+    """The ``HybridLlamaConfig`` of a saved hybrid, from either format (see ``is_hybrid_checkpoint``)."""
     path = Path(path)
-    config = LlamaConfig.from_pretrained(path)
-    hybrid = getattr(config, "hybrid", None)
-    if hybrid is None:
+    fmt = _checkpoint_format(path)
+    if fmt is None:
         raise ValueError(f"{path}/config.json has no 'hybrid' block: not a hybrid checkpoint")
-    cfg = HybridConfig.from_dict(dict(hybrid))
-    del config.hybrid  # convert_to_hybrid records it again
-    file = path / WEIGHTS_NAME
-    dtype = dtype or _stored_dtype(file)
-    model = _empty_llama(config, dtype)
-    convert_to_hybrid(model, **asdict(cfg))
-    _load_strict(model, load_safetensors(file, rule=None), what=str(file),
-                 allowed_missing=_tied_names(model))
-    if (path / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(path)
+    if fmt == MODEL_TYPE:
+        return HybridLlamaConfig.from_pretrained(path)
+    return HybridLlamaConfig.from_llama(LlamaConfig.from_pretrained(path))
+
+
+def load_hybrid(path: str | Path, *, dtype: torch.dtype | None = None, device=None) -> HybridLlamaForCausalLM:
+    """Rebuild a saved hybrid model (either format) through ``HybridLlamaForCausalLM.from_pretrained``:
+    the Auto classes' code path, strict about missing keys; ``dtype`` defaults to the stored one."""
+    path = Path(path)
+    config = hybrid_llama_config(path)
+    dtype = dtype or safetensors_float_dtype(path / WEIGHTS_NAME, rule=None)
+    model = HybridLlamaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
     return model.to(device=device).eval()
 
 
@@ -84,33 +92,16 @@ def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: Any = None
 ) -> tuple[LlamaForCausalLM, Any]:
     """``(model, tokenizer)`` of a model directory (``hybrid_llama.weights.resolve_model``'s output, or
-    a checkpoint of ``save_hybrid``: a config.json with a "hybrid" block loads via ``load_hybrid``)."""
+    a checkpoint of ``save_hybrid``, which loads via ``load_hybrid``)."""
     path = Path(path)
     dtype = resolve_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if getattr(LlamaConfig.from_pretrained(path), "hybrid", None) is not None:
+    if is_hybrid_checkpoint(path):
         model = load_hybrid(path, dtype=dtype, device=device)
     else:
         model = LlamaForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else "auto")
         model = model.to(device=device).eval()
     return model, tokenizer
-
-
-def _empty_llama(config: LlamaConfig, dtype: torch.dtype) -> LlamaForCausalLM:
-    # Every weight is overwritten right after: skip the (slow, for 1B params) random init.
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
-    model.tie_weights()  # no_init_weights also skips the tying done at init
-    return model.to(dtype=dtype)
-
-
-def _load_strict(model: nn.Module, state: dict, *, what: str, allowed_missing: set[str] = frozenset()) -> None:
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k not in allowed_missing]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"{what}: missing keys {missing[:10]}, unexpected keys {result.unexpected_keys[:10]}")
 
 
 def load_hybrid_layers(base_model: nn.Module, safetensors_path: str | Path, cfg: HybridConfig) -> nn.Module:

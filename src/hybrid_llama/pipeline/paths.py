@@ -66,6 +66,10 @@ PATHS: dict[str, str] = {
     "stage_quality": "results/{model}/{variant}/quality/{device}/{stage}/{kind}.csv",
     "quality": "results/{model}/{variant}/quality/{device}/{kind}.csv",
     "generations": "results/{model}/{variant}/generations/{stage}.json",
+    # The final stage of a trained variant as a model directory (model type hybrid_llama: loads with
+    # `import hybrid_llama` + AutoModelForCausalLM) and its model card.
+    "export": "results/{model}/{variant}/model",
+    "model_card": "results/{model}/{variant}/model/README.md",
     "throughput": "results/{model}/throughput/{device}.csv",
     # One folder per model (and variant): names joined by '_' could not be split back apart.
     "plot_mmlu": "results/plots/{model}/mmlu_{fmt}.png",

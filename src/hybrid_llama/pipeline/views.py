@@ -206,6 +206,36 @@ class Pipeline:
         untrained control only shows quality), or every variant when none trains."""
         return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
 
+    def export_slots(self) -> list[tuple[str, str]]:
+        """(variant, stage) of every exported model: each variant that trains (or derives from one
+        that does) at its last evaluated trained stage; untrained controls are not exported."""
+        out = []
+        for v in self.variants:
+            trained = [s for s in self.variant_stages(v) if s in ("transfer", "transfer_lora")]
+            if trained:
+                out.append((v, trained[-1]))
+        return out
+
+    def export_stage(self, variant: str) -> str:
+        stages = dict(self.export_slots())
+        if variant not in stages:
+            raise ValueError(f"variant '{variant}' is not exported (it trains no stage)")
+        return stages[variant]
+
+    def export_inputs(self, model: str, variant: str) -> dict[str, Any]:
+        """What an export is built from: the stage's files, the training metrics of the runs it
+        comes from, and the results its model card quotes (quality tables, throughput)."""
+        stage = self.export_stage(variant)
+        files: dict[str, Any] = dict(self.stage_inputs(model, variant, stage))
+        files["transfer_metrics"] = path("transfer_metrics", model=model, variant=self.transfer_owner(variant))
+        if stage == "transfer_lora":
+            files["lora_metrics"] = path("lora_metrics", model=model, variant=self.lora_owner(variant))
+        files["results"] = [path("quality", model=model, variant=variant, device=d, kind=k)
+                            for d in self.devices for k in ("perplexity", "passkey")]
+        if variant in self.throughput_variants():
+            files["results"] += [path("throughput", model=model, device=d) for d in self.devices]
+        return files
+
     def corpus_files(
         self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
     ) -> list[str]:
@@ -284,6 +314,7 @@ class Pipeline:
                 path("transfer_metrics", model=m, variant=v) for m in m_ for v in self.transfer_slots()
             ],
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
+            "exports": [path("export", model=m, variant=v) for m in m_ for v, _ in self.export_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }

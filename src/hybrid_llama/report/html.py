@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import platform
 import subprocess
 from collections import defaultdict
@@ -27,7 +28,7 @@ import yaml
 from hybrid_llama.eval.mmlu import CHANCE
 from hybrid_llama.eval.tables import BEYOND_WINDOW, read_rows
 from hybrid_llama.files import atomic_write
-from hybrid_llama.names import SHARED_STAGES, STAGES
+from hybrid_llama.names import SHARED_STAGES, STAGE_LABELS, STAGES
 from hybrid_llama.pipeline import Pipeline, parse_result_path
 from hybrid_llama.report.formatting import byte_size, plus_minus
 from hybrid_llama.report.headline import anchor, headlines
@@ -309,6 +310,8 @@ def build_context(
     transfer_metrics: list,
     lora_metrics: list,
     manifests: list,
+    exports: list = (),
+    report_dir: str | Path = "results",
     benchmarks_dir: str | Path = "logs/benchmarks",
     repo_dir: str | Path = ".",
 ) -> dict:
@@ -379,6 +382,19 @@ def build_context(
             "plot": plot("plot_lora_loss", w["model"], w["variant"]),
         })
 
+    export_rows = []
+    for p in exports:
+        w = parse_result_path(p, ["export"])[1]
+        card = Path(p) / "README.md"
+        export_rows.append({
+            "model": w["model"], "variant": w["variant"], "stage": STAGE_LABELS.get(pipe.export_stage(w["variant"])),
+            # relative links: the report sits in results/ next to the exported directories
+            "href": Path(os.path.relpath(p, report_dir)).as_posix() + "/",
+            "card": Path(os.path.relpath(card, report_dir)).as_posix() if card.is_file() else None,
+        })
+        if not card.is_file():
+            missing.append(card.as_posix())
+
     gens = defaultdict(lambda: defaultdict(dict))
     for p in _existing(generations, missing):
         w = parse_result_path(p, ["generations"])[1]
@@ -418,6 +434,7 @@ def build_context(
         "chance": CHANCE,
         "transfer": transfer_sections,
         "lora": lora_sections,
+        "exports": export_rows,
         "generations": generation_sections,
         "git": git_info(repo_dir),
         "packages": package_versions(),
@@ -453,4 +470,4 @@ def write_report(out_path: str | Path, **inputs: Any) -> Path:
     """Render the report from the workflow's result files (see build_context) to out_path."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(out_path, render(build_context(**inputs)))
+    return atomic_write(out_path, render(build_context(report_dir=out_path.parent, **inputs)))
