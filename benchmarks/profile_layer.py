@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     def time_case(run, calls: int) -> dict[str, float]:
         times = {name: [] for name in layers}
         with torch.inference_mode():
-            for name, layer in layers.items():  # warm up
+            for layer in layers.values():  # warm up
                 for _ in range(3):
                     run(layer)
             for i in range(calls):
@@ -124,12 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     run(layer)
                 events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-                n = sum(e.count for e in events if e.cpu_parent is None) if events else 0
                 top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
                 total = sum(e.count for e in events)
                 out.append(f"    {name}: {total} aten calls (nested included); top self time: "
                            + ", ".join(f"{e.key[6:]} x{e.count} {e.self_cpu_time_total:.0f}us" for e in top))
-                del n
         return "\n".join(out)
 
     print(f"torch {torch.__version__}, {args.threads} thread(s); hybrid {cfg}")
