@@ -192,9 +192,10 @@ def test_transfer_teacher_cache_matches_fresh_teacher_forwards(tiny_model_dir, c
 
 @pytest.mark.parametrize(
     "poison,pattern",
-    [  # NaN weights make the layer's loss NaN; a NaN logit only reaches the gradient (the op zeroes such rows)
+    [  # NaN weights or logits make the layer's loss NaN; a NaN gradient alone is caught after backward
         ("o_proj.weight", r"non-finite loss at step 1 in layer 3"),
-        ("mixing.linear_logit", r"non-finite gradient at step 1 in model\.layers\.3\.self_attn\."),
+        ("mixing.linear_logit", r"non-finite loss at step 1 in layer 3"),
+        ("grad:mixing.linear_logit", r"non-finite gradient at step 1 in model\.layers\.3\.self_attn\."),
     ],
 )
 def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, monkeypatch, poison, pattern):
@@ -203,8 +204,11 @@ def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, mon
     def poisoned(attn, cfg):
         new = orig(attn, cfg)
         if attn.layer_idx == 3:
-            with torch.no_grad():
-                new.get_parameter(poison).fill_(float("nan"))
+            if poison.startswith("grad:"):  # finite forward, NaN gradient
+                new.get_parameter(poison[5:]).register_hook(lambda grad: grad * float("nan"))
+            else:
+                with torch.no_grad():
+                    new.get_parameter(poison).fill_(float("nan"))
         return new
 
     monkeypatch.setattr(hm, "make_hybrid_attention", poisoned)
