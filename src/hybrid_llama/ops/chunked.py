@@ -24,10 +24,11 @@ or O(T^2) is ever built, and autograd works through plain torch ops.
 GQA: k/v may have ``H_kv`` heads with ``H % H_kv == 0`` (query head h reads KV head
 ``h // (H / H_kv)``). Everything derived from the keys alone (the padded key slabs, phi(k), the
 chunk states ``[F, D+1]``, their prefix sums and the carried state) is computed once per KV head;
-the ``g = H / H_kv`` query heads of a group read it through a size-1 group dim that broadcasts
-against q viewed as ``[B, H_kv, g, ...]``. A (query_map, key_map) pair keeps this layout (the key map
-works at the KV heads); a single callable map other than elu1 may be per head (``HedgehogFeatureMap``
-is), so with one k/v are repeated to H heads first.
+the ``g = H / H_kv`` query heads of a group are stacked as the rows of each block's products
+(``_grouped``: ``[B * H_kv * blocks, g * size, X]``), so no key-side tensor is copied per query head,
+and the window and linear results meet in one 7-D view for the mix. A (query_map, key_map) pair
+keeps this layout (the key map works at the KV heads); a single callable map other than elu1 may be
+per head (``HedgehogFeatureMap`` is), so with one k/v are repeated to H heads first.
 
 ``formulation="window"`` (the window-only control) skips the linear part altogether.
 """
@@ -117,7 +118,7 @@ def hybrid_attention_chunked(
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     q, k, v = q.float(), k.float(), v.float()
     B, H, T, D = q.shape
-    Hk = H // g  # KV heads. Key-derived tensors are [B, Hk, 1, ...] against q's [B, Hk, g, ...].
+    Hk = H // g  # KV heads: key-derived tensors are per KV head, the queries grouped per KV head
     # With w >= T every window reaches position 0 and no key is old enough for the linear part, so
     # window T is the same op, and it keeps the block size (and the work) bounded by T. (Explicit
     # chunk sizes are the caller's block layout: keep w as given then.)

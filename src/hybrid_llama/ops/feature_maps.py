@@ -68,9 +68,7 @@ class HedgehogFeatureMap(nn.Module):
             return self._signed()
         key = (self.weight._version, self.bias._version, self.weight.data_ptr(), self.bias.data_ptr())
         if getattr(self, "_signed_key", None) != key:
-            with torch.no_grad():
-                self._signed_cache = self._signed()
-            self._signed_key = key
+            self._signed_cache, self._signed_key = self._signed(), key
         return self._signed_cache
 
     def _signed(self) -> tuple[Tensor, Tensor]:

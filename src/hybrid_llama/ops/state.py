@@ -163,7 +163,7 @@ def prefill_state(
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = k.shape
-    real = key_padding_mask
+    real = key_padding_mask  # None: every key is real
     if real is not None and (real.shape != (B, T) or real.dtype != torch.bool):
         raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
 
@@ -182,12 +182,9 @@ def prefill_state(
         if n:
             state.k_window[:, :, slot : slot + n] = k[:, :, pos : pos + n]
             state.v_window[:, :, slot : slot + n] = v[:, :, pos : pos + n]
-            if key_padding_mask is None:
-                state.window_valid[:, slot : slot + n] = True
-            else:
-                state.window_valid[:, slot : slot + n] = real[:, pos : pos + n]
+            state.window_valid[:, slot : slot + n] = True if real is None else real[:, pos : pos + n]
     state.seen = T
-    state.all_real = key_padding_mask is None or None
+    state.all_real = real is None or None
     return state
 
 
