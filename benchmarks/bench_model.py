@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write tables and ratios to this JSON file")
     args = ap.parse_args(argv)
 
+    from hybrid_llama.runtime import keep_freed_memory
+
+    # As every pipeline job does (workflow/scripts/common.py): the same allocator as the DAG's runs.
+    print(f"freed memory kept in the heap: {keep_freed_memory()}")
     import torch
 
     from hybrid_llama.eval.throughput import build_throughput_variants, measure_throughput

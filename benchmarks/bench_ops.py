@@ -270,6 +270,9 @@ def run_matmul_floor(n: int, reps: int, threads: int) -> dict:
 
 
 def child(argv: list[str]) -> None:
+    from hybrid_llama.runtime import keep_freed_memory
+
+    keep_freed_memory()  # the allocator the pipeline's jobs run with (workflow/scripts/common.py)
     kind, payload = argv[0], json.loads(argv[1])
     out = {"case": run_case, "decode": run_decode, "gqa": run_gqa, "floor": run_matmul_floor}[kind](**payload)
     print("RESULT " + json.dumps(out))

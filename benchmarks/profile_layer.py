@@ -10,7 +10,10 @@ are called the way ``generate`` calls them: a prefill of ``T`` tokens into a fre
 interleaved (softmax, hybrid, softmax, ...) and the median per call is reported with the ratio
 hybrid / softmax; a ratio above 1 is overhead the hybrid adds per layer and per call. ``--ops``
 prints the number of aten ops per call and the most expensive ones (torch.profiler), which is
-where a per-token constant comes from.
+where a per-token constant comes from. ``--cold MB`` reads a buffer of that size before every timed
+call, so each call starts with the caches holding other data, as in a whole model, where the
+other layers' weights (hundreds of MB per decoded token) pass through the caches between two calls
+of a layer: a layer that touches more small buffers pays for it there and not in a hot loop.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="timed calls per case (prefill: a tenth)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ops", action="store_true", help="profile the ops of one call per case")
+    ap.add_argument("--cold", type=int, default=0, metavar="MB",
+                    help="read this many MB before each timed call (evicts the layer's data, as a model does)")
     args = ap.parse_args(argv)
 
+    from hybrid_llama.runtime import keep_freed_memory
+
+    kept = keep_freed_memory()  # the allocator the pipeline's jobs run with (workflow/scripts/common.py)
     import torch
     from transformers import DynamicCache, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -100,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             call(layer, x, torch.tensor([[C]]), caches[name])
         return run
 
+    flush = torch.ones(args.cold * 2**18) if args.cold else None  # MB of fp32
+
     def time_case(run, calls: int) -> dict[str, float]:
         times = {name: [] for name in layers}
         with torch.inference_mode():
@@ -109,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(calls):
                 order = list(layers.items()) if i % 2 == 0 else list(layers.items())[::-1]
                 for name, layer in order:
+                    if flush is not None:
+                        flush.sum()
                     t0 = time.perf_counter()
                     run(layer)
                     times[name].append(time.perf_counter() - t0)
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                            + ", ".join(f"{e.key[6:]} x{e.count} {e.self_cpu_time_total:.0f}us" for e in top))
         return "\n".join(out)
 
-    print(f"torch {torch.__version__}, {args.threads} thread(s); hybrid {cfg}")
+    print(f"torch {torch.__version__}, {args.threads} thread(s), freed memory kept in the heap: {kept}; hybrid {cfg}")
     print("\n| phase | tokens | softmax us | hybrid us | hybrid / softmax |\n|---|---|---|---|---|")
     cases = [("prefill", T, prefill_case(T), max(args.calls // 10, 5)) for T in _ints(args.prefill_lens)]
     cases += [("decode", C, decode_case(C), args.calls) for C in _ints(args.decode_contexts)]

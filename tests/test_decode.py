@@ -291,3 +291,27 @@ def test_in_place_steps_after_a_prefill_equal_functional_steps(padded):
             got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert_states_equal(owned, functional)
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
+def test_in_place_step_follows_changed_mixing_logits(formulation):
+    """The in-place step keeps sigmoid/logsigmoid of the mixing logits between tokens; an optimizer
+    step (an in-place update of the logits) or new logit tensors must be seen at the next token. A
+    window logit so negative that its sigmoid underflows stays finite (it enters as logsigmoid)."""
+    B, H, Hk, T, D, w = 1, 4, 2, 14, 8, 4
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
+    kw = dict(feature_map="elu1", formulation=formulation, backend="torch")
+    with torch.no_grad():
+        functional, owned = init_state(B, Hk, D, w), init_state(B, Hk, D, w)
+        for t in range(T):
+            if t == 8:
+                wl.add_(torch.tensor([1.5, -2.0, 0.0, -200.0]))  # in place: same tensor, new version
+            if t == 11:
+                wl, ll = wl.clone() - 1.0, ll.clone() + 1.0  # new tensors
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            want, functional = hybrid_attention_step(*step, functional, wl, ll, **kw)
+            got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

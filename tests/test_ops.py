@@ -169,6 +169,27 @@ def test_hedgehog_map_properties():
         fmap(torch.randn(2, 4, 5, 8))
 
 
+def test_hedgehog_one_token_path_equals_many_rows_and_follows_updates():
+    """A single token (a decode step) takes a product with W alone and negates it; it must give the
+    rows of the [W, -W] path, and the fp32 weights kept between calls must follow an in-place update
+    (an optimizer step) of the parameters."""
+    fmap = HedgehogFeatureMap(3, 8)
+    with torch.no_grad():
+        fmap.weight.normal_()
+        fmap.bias.normal_()
+    x = torch.randn(1, 3, 6, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            rows = fmap(x)
+            for t in range(x.shape[2]):
+                torch.testing.assert_close(fmap(x[:, :, t : t + 1]), rows[:, :, t : t + 1])
+            fmap.weight.mul_(-0.5)  # in place: the next round must see it
+            fmap.bias.add_(1.0)
+        proj = x @ fmap.weight + fmap.bias
+        want = torch.cat([torch.softmax(proj, -1), torch.softmax(-proj, -1)], -1)
+        torch.testing.assert_close(fmap(x[:, :, :1]), want[:, :, :1])
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
 def test_key_padding_mask_matches_naive(backend, formulation):
@@ -318,6 +339,22 @@ def test_chunked_inference_path_writes_slabs_in_place():
         got = run_chunked_small_slabs(q, k, v, wl, ll, window=w, key_padding_mask=mask)
     assert not got.requires_grad
     assert_same(got, naive(q, k, v, wl, ll, w, mask=mask))
+
+
+@pytest.mark.parametrize("T", [16, 45])  # whole slabs; a ragged last slab
+@pytest.mark.parametrize("chunk", [4, 8])  # one window block per chunk; two
+def test_chunked_inference_output_is_laid_out_for_the_layer(T, chunk):
+    """At inference the output [B, H, T, D] has [B, T, H, D] memory, so the layer's transpose back
+    to [B, T, H * D] copies nothing; values equal the naive formula, GQA and several slabs included."""
+    B, H, Hk, D, w = 2, 4, 2, 8, 4
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, T, D, seed=8, kv_heads=Hk))
+    for formulation in ("hybrid", "lolcats", "window"):
+        with torch.no_grad():
+            got, _ = hybrid_attention_chunked(q, k, v, wl, ll, window=w, formulation=formulation, chunk_size=chunk,
+                                              slab_size=2 * chunk)
+        assert got.transpose(1, 2).is_contiguous()
+        want = naive(q, expand(k, H), expand(v, H), wl, ll, w, formulation=formulation)
+        assert_same(got, want)
 
 
 # ---- GQA: chunked reads k/v at the KV heads (phi(k), chunk states and carry once per KV head).

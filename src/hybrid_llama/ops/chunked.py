@@ -61,28 +61,38 @@ def _grouped(x: Tensor, kv_heads: int, g: int, blocks: int, size: int) -> Tensor
     return x.reshape(B, kv_heads, g, blocks, size, X).transpose(2, 3).reshape(B * kv_heads * blocks, g * size, X)
 
 
-def _window_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
+def _blocks_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
     """A grouped window result ``[B * Hk * n, g * w, X]`` (n = chunks * per_chunk blocks) as the view
-    ``[B, Hk, g, chunks, per_chunk, w, X]``, positions in order (the layout the mix is done in)."""
-    return y.view(-1, kv_heads, chunks, per_chunk, g, y.shape[-2] // g, y.shape[-1]).permute(0, 1, 4, 2, 3, 5, 6)
+    ``[B, Hk, chunks, per_chunk, g, w, X]``: its own memory order, so the mix runs on contiguous data
+    (an elementwise op over a permuted 7-D view is several times slower on CPU)."""
+    return y.view(-1, kv_heads, chunks, per_chunk, g, y.shape[-2] // g, y.shape[-1])
 
 
-def _chunk_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
+def _chunks_7d(y: Tensor, kv_heads: int, g: int, chunks: int, per_chunk: int) -> Tensor:
     """A grouped linear result ``[B * Hk * chunks, g * C, X]`` (C = per_chunk * w) as the same view
-    ``[B, Hk, g, chunks, per_chunk, w, X]`` as :func:`_window_7d`'s."""
+    ``[B, Hk, chunks, per_chunk, g, w, X]`` as :func:`_blocks_7d`'s; with one block per chunk (the
+    default chunk) the two layouts are the same memory order."""
     w = y.shape[-2] // (g * per_chunk)
-    return y.view(-1, kv_heads, chunks, g, per_chunk, w, y.shape[-1]).permute(0, 1, 3, 2, 4, 5, 6)
+    return y.view(-1, kv_heads, chunks, g, per_chunk, w, y.shape[-1]).transpose(3, 4)
 
 
-def _emit(out: Tensor, outs: list[Tensor], result: Tensor | None, t0: int, T: int, P: int) -> Tensor | None:
-    """Keep one slab's output: written in place into ``result`` at inference (no final cat), else
-    collected in ``outs`` for autograd. Returns ``result`` (allocated on the first inference slab)."""
-    if not out.requires_grad and result is None and P < T:
-        result = out.new_empty(*out.shape[:2], T, out.shape[-1])
-    if result is not None:
-        result[:, :, t0 : t0 + out.shape[2]] = out
+def _emit(out: Tensor, outs: list[Tensor], result: Tensor | None, t0: int, T: int, L: int) -> Tensor | None:
+    """Keep one slab's output ``[B, Hk, chunks, per_chunk, g, w, D]`` (the mix's layout; rows past ``L``
+    are the last slab's padding). At inference it is copied once into ``result``, a ``[B, H, T, D]``
+    tensor whose memory is ``[B, T, H, D]``: the layer's transpose back to ``[B, T, H * D]`` is then
+    free. Under autograd it is collected in ``outs`` (concatenated at the end). Returns ``result``."""
+    B, Hk, nc, m, g, w, D = out.shape
+    heads = out.permute(0, 1, 4, 2, 3, 5, 6)  # [B, Hk, g, chunks, per_chunk, w, D]: heads, then positions
+    if out.requires_grad:
+        outs.append(heads.reshape(B, Hk * g, nc * m * w, D)[:, :, :L])
+        return result
+    if result is None:
+        result = out.new_empty(B, T, Hk * g, D).transpose(1, 2)
+    dst = result[:, :, t0 : t0 + L]
+    if L == nc * m * w:
+        dst.view(B, Hk, g, nc, m, w, D).copy_(heads)
     else:
-        outs.append(out)
+        dst.copy_(heads.reshape(B, Hk * g, nc * m * w, D)[:, :, :L])
     return result
 
 
@@ -140,7 +150,7 @@ def hybrid_attention_chunked(
     band_bias = torch.zeros(w, 2 * w, device=q.device).masked_fill_(~band, float("-inf"))
 
     a, b = mixing_weights(window_logit, linear_logit)
-    a7, b7 = a.view(1, Hk, g, 1, 1, 1, 1), b.view(1, Hk, g, 1, 1, 1, 1)  # per query head, 7-D layout below
+    a7, b7 = a.view(1, Hk, 1, 1, g, 1, 1), b.view(1, Hk, 1, 1, g, 1, 1)  # per query head, 7-D layout below
     band_bias_g = band_bias.repeat(g, 1)  # [g w, 2w]: the g query heads' rows of a block share the band
     m = C // w  # window blocks per linear chunk
     carry = None  # [S | z] over every key before the slab, [B, Hk, F, D+1]
@@ -180,12 +190,12 @@ def hybrid_attention_chunked(
             has_win = allowed.any(dim=-1, keepdim=True)
             # Rows without a real key get a dummy softmax (finite) and win_sum = 0 below.
             scores = scores.masked_fill(~(allowed | ~has_win), float("-inf")).view(B * Hk * n, g * w, 2 * w)
-            has_win = _window_7d(has_win.view(B * n, w, 1), 1, 1, nc, m)
+            has_win = has_win.view(B, 1, nc, m, 1, w, 1)
         p = torch.softmax(scores, dim=-1)
-        win_avg = _window_7d(torch.bmm(p, vb), Hk, g, nc, m)  # [B, Hk, g, nc, m, w, D] view
+        win_avg = _blocks_7d(torch.bmm(p, vb), Hk, g, nc, m)  # [B, Hk, nc, m, g, w, D] view
         if formulation == "lolcats":
             # sum_j exp(s_j - max s) = 1 / max_j softmax_j: recovers LoLCATs' unnormalised sum.
-            win_sum = _window_7d(1.0 / p.amax(dim=-1, keepdim=True), Hk, g, nc, m)
+            win_sum = _blocks_7d(1.0 / p.amax(dim=-1, keepdim=True), Hk, g, nc, m)
             if has_win is not None:
                 win_sum = win_sum * has_win
         elif has_win is not None:
@@ -194,7 +204,7 @@ def hybrid_attention_chunked(
             win_sum = p.new_ones(())  # hybrid only needs "the window is non-empty"
         if formulation == "window":
             out = win_avg if has_win is None else win_avg * has_win.to(q.dtype)
-            result = _emit(out.reshape(B, H, Lp, D)[:, :, :L], outs, result, t0, T, P)
+            result = _emit(out, outs, result, t0, T, L)
             continue
 
         # ---- linear part: causal linear attention over the shifted keys, chunks of C. phi(k), the
@@ -230,7 +240,7 @@ def hybrid_attention_chunked(
         intra = torch.bmm(qc, kc.transpose(1, 2))  # [B Hk nc, g C, C]
         intra.view(-1, g, C, C).tril_()  # causal within the chunk, diagonal included
         lin = torch.baddbmm(torch.bmm(qc, state_in.view(B * Hk * nc, Fd, D + 1)), intra, vc)
-        lin = _chunk_7d(lin, Hk, g, nc, m)  # [B, Hk, g, nc, m, w, D+1], aligned with win_avg
+        lin = _chunks_7d(lin, Hk, g, nc, m)  # [B, Hk, nc, m, g, w, D+1], aligned with win_avg
 
         if has_win is None and formulation == "hybrid":
             # Common case (no padding, every window non-empty): the mix without combine's guards.
@@ -240,7 +250,7 @@ def hybrid_attention_chunked(
             out = torch.addcmul(win_avg * w_win, lin[..., :D], b7) / torch.addcmul(w_win, lin[..., D:], b7)
         else:
             out = combine(formulation, a7, b7, win_avg, win_sum, lin[..., :D], lin[..., D:])
-        result = _emit(out.reshape(B, H, Lp, D)[:, :, :L], outs, result, t0, T, P)
+        result = _emit(out, outs, result, t0, T, L)
     if result is None:
         result = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     final_state = None

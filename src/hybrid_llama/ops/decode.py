@@ -115,9 +115,9 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
     """The step for a cache that owns its state, without autograd, the new key real: the window then
     always holds a real key (the new one), so the empty-window guards of ``combine`` are not needed,
     and a full window of real keys needs no mask at all. Every op here is on a few KB, so the step's
-    cost is the number of ops it issues: products are ``bmm``/``baddbmm`` on 3-D views (a 4-D
-    ``matmul`` adds expand/reshape/view calls around its bmm), and the mixing weights and the
-    accumulations ride on ``baddbmm``'s scaling and its input term."""
+    cost is the number of ops it issues (and, inside a model, the bytes they read cold): products are
+    ``bmm``/``baddbmm`` on 3-D views (a 4-D ``matmul`` adds expand/reshape/view calls around its bmm),
+    and the mixing weights and the accumulations ride on the products and on the exponent."""
     B, H, _, D = q.shape
     Hk, w = k.shape[1], state.window
     g, slot, BH = H // Hk, state.seen % w, B * Hk
@@ -133,7 +133,8 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
         z.view(BH, fdim, 1).add_(phi_old)
     state.k_window[:, :, slot] = k[:, :, 0]
     state.v_window[:, :, slot] = v[:, :, 0]
-    state.window_valid[:, slot] = True
+    if not full:  # a full window of real keys already marks this slot
+        state.window_valid[:, slot] = True
     state.seen += 1
     if state.seen <= w and (state.all_real or bool(state.window_valid[:, : state.seen].all())):
         # No key has left the window yet (S = z = 0), so every formulation is plain softmax over the
@@ -144,24 +145,50 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
 
     qf = q.float().view(BH, g, D)
     kw, vw = state.k_window.float().view(BH, w, D), state.v_window.float().view(BH, w, D)
-    scores = torch.bmm(qf, kw.transpose(1, 2))  # [BH, g, w], unscaled: the scale rides on the exp
+    # Scaled scores in one product (beta = 0: the input term is only there to broadcast).
+    scores = torch.baddbmm(_zero(q.device), qf, kw.transpose(1, 2), beta=0.0, alpha=1.0 / math.sqrt(D))  # [BH, g, w]
     if not full:
         scores.view(B, Hk, g, w).masked_fill_(~state.window_valid[:, None, None, :], float("-inf"))
-    scale = 1.0 / math.sqrt(D)
     if formulation == "window":
-        return torch.bmm(torch.softmax(scores.mul_(scale), dim=-1), vw).view(B, H, 1, D).to(q.dtype), state
-    a, b = mixing_weights(window_logit, linear_logit)
-    a, b = a.view(1, Hk, g, 1), b.view(1, Hk, g, 1)
+        return torch.bmm(torch.softmax(scores, dim=-1), vw).view(B, H, 1, D).to(q.dtype), state
+    a, log_a, b = _mixing_terms(window_logit, linear_logit, Hk, g)
     # The linear readout's weight b goes into phi(q) once; num and den then each take one baddbmm.
     phi_q = phi_q_map(q.float()).view(B, Hk, g, -1).mul(b).view(BH, g, -1)  # [BH, g, F]
-    if formulation == "lolcats":  # unnormalised exp-scores share the normalizer with the linear part
-        e = scores.sub_(scores.amax(dim=-1, keepdim=True)).mul_(scale).exp_()
-        e.view(B, Hk, g, w).mul_(a)
+    if formulation == "lolcats":
+        # Unnormalised exp-scores a * exp(s - max s), sharing the normalizer with the linear part; the
+        # weight a enters the exponent as log a (one op on [BH, g, 1] instead of one on the scores).
+        shift = scores.amax(dim=-1, keepdim=True)
+        shift.view(B, Hk, g, 1).sub_(log_a)
+        e = scores.sub_(shift).exp_()
         num = torch.baddbmm(torch.bmm(e, vw), phi_q, S.view(BH, -1, D))
         den = torch.baddbmm(e.sum(dim=-1, keepdim=True), phi_q, z.view(BH, -1, 1))
     else:  # hybrid: the softmax average enters with weight a, its normalizer is a
-        p = torch.softmax(scores.mul_(scale), dim=-1)
+        p = torch.softmax(scores, dim=-1)
         p.view(B, Hk, g, w).mul_(a)
         num = torch.baddbmm(torch.bmm(p, vw), phi_q, S.view(BH, -1, D))
         den = torch.baddbmm(a.expand(B, Hk, g, 1).reshape(BH, g, 1), phi_q, z.view(BH, -1, 1))
     return num.div_(den).view(B, H, 1, D).to(q.dtype), state
+
+
+_ZEROS: dict[torch.device, Tensor] = {}
+
+
+def _zero(device: torch.device) -> Tensor:
+    """A 0-dim zero on ``device``: baddbmm's ignored input term (beta = 0), made once per device."""
+    if device not in _ZEROS:
+        _ZEROS[device] = torch.zeros((), device=device)
+    return _ZEROS[device]
+
+
+def _mixing_terms(window_logit: Tensor, linear_logit: Tensor, kv_heads: int, g: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(a, log a, b)`` as ``[1, H_kv, g, 1]`` fp32 (``log a = logsigmoid``: finite for any logit). Kept
+    on the logit tensor until either logit changes: a decode step would otherwise spend three of its
+    ops on them (the step runs without autograd, so nothing needs their graph)."""
+    key = (window_logit._version, linear_logit._version, window_logit.data_ptr(), linear_logit.data_ptr(), kv_heads)
+    cached = getattr(window_logit, "_hybrid_mixing_terms", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    wl, ll = window_logit.detach().float(), linear_logit.detach().float()
+    terms = tuple(t.view(1, kv_heads, g, 1) for t in (torch.sigmoid(wl), F.logsigmoid(wl), torch.sigmoid(ll)))
+    window_logit._hybrid_mixing_terms = (key, terms)
+    return terms

@@ -49,31 +49,40 @@ class HedgehogFeatureMap(nn.Module):
             raise ValueError(
                 f"HedgehogFeatureMap({self.num_heads} heads, dim {self.head_dim}) got input {tuple(x.shape)}"
             )
-        # softmax(x W + b) ++ softmax(-(x W + b)): one product with [W, -W] and one softmax over the
-        # stacked pair, in fp32 (the softmax over features is the whole map, keep it accurate).
-        weight, bias = self.signed_parameters()
-        xf = x.float()
-        if x.shape[0] == 1:  # one fused bmm + bias over the heads (a 4-D matmul issues several ops)
-            proj = torch.baddbmm(bias, xf[0], weight).unsqueeze(0)  # [1, H, T, 2 Fh]
-        else:
-            proj = torch.matmul(xf, weight) + bias  # [B, H, T, 2 Fh]
-        out = torch.softmax(proj.unflatten(-1, (2, self.feature_dim)), dim=-1).flatten(-2)
+        # softmax(x W + b) ++ softmax(-(x W + b)), in fp32 (the softmax over features is the whole
+        # map, keep it accurate), as one softmax over the stacked pair.
+        xf, Fh = x.float(), self.feature_dim
+        if x.shape[0] == 1 and x.shape[2] == 1:
+            # One token (a decode step): the product is bound by reading W, which the rest of a model
+            # has evicted from the caches by the next token, so read W once and negate the result.
+            weight, bias = self.fp32_parameters(signed=False)
+            proj = torch.baddbmm(bias, xf[0], weight)  # [H, 1, Fh]
+            out = torch.softmax(torch.stack([proj, proj.neg()], dim=-2), dim=-1).view(*x.shape[:3], 2 * Fh)
+        else:  # many rows: one product with [W, -W] beats a second pass over the projections
+            weight, bias = self.fp32_parameters(signed=True)
+            if x.shape[0] == 1:  # one fused bmm + bias over the heads (a 4-D matmul issues several ops)
+                proj = torch.baddbmm(bias, xf[0], weight).unsqueeze(0)  # [1, H, T, 2 Fh]
+            else:
+                proj = torch.matmul(xf, weight) + bias  # [B, H, T, 2 Fh]
+            out = torch.softmax(proj.view(*proj.shape[:3], 2, Fh), dim=-1).view(proj.shape)
         return out.to(x.dtype)
 
-    def signed_parameters(self) -> tuple[Tensor, Tensor]:
-        """``[W, -W]`` ``[H, D, 2 Fh]`` and ``[b, -b]`` ``[H, 1, 2 Fh]`` in fp32. Without autograd they
-        are kept until the parameters change (a decode step maps one token: rebuilding them would
-        cost as much as the map itself)."""
+    def fp32_parameters(self, signed: bool) -> tuple[Tensor, Tensor]:
+        """``(W, b)`` in fp32, or with ``signed`` ``[W, -W]`` ``[H, D, 2 Fh]`` and ``[b, -b]``
+        ``[H, 1, 2 Fh]``. Without autograd they are kept until the parameters change (a decode step
+        maps one token: rebuilding them would cost as much as the map itself)."""
         if torch.is_grad_enabled():
-            return self._signed()
-        key = (self.weight._version, self.bias._version, self.weight.data_ptr(), self.bias.data_ptr())
-        if getattr(self, "_signed_key", None) != key:
-            self._signed_cache, self._signed_key = self._signed(), key
-        return self._signed_cache
+            return self._fp32(signed)
+        key = (signed, self.weight._version, self.bias._version, self.weight.data_ptr(), self.bias.data_ptr())
+        cached = self.__dict__.get("_fp32_cache", {})
+        if cached.get(signed, (None,))[0] != key:
+            cached[signed] = (key, self._fp32(signed))
+            self.__dict__["_fp32_cache"] = cached
+        return cached[signed][1]
 
-    def _signed(self) -> tuple[Tensor, Tensor]:
+    def _fp32(self, signed: bool) -> tuple[Tensor, Tensor]:
         w, b = self.weight.float(), self.bias.float()
-        return torch.cat([w, -w], dim=-1), torch.cat([b, -b], dim=-1)
+        return (torch.cat([w, -w], dim=-1), torch.cat([b, -b], dim=-1)) if signed else (w, b)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
