@@ -315,3 +315,32 @@ def test_in_place_step_follows_changed_mixing_logits(formulation):
             got, owned = hybrid_attention_step(*step, owned, wl, ll, inplace=True, **kw)
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_in_place_steps_with_modules_built_under_inference_mode():
+    """Feature maps and mixing logits made under ``torch.inference_mode`` are inference tensors, which
+    keep no version counter: the step must not key its kept values on one, and still decode right."""
+    B, H, Hk, T, D, w = 1, 4, 2, 12, 8, 4
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    logits = torch.randn(2, H, generator=g)
+    normal = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
+    with torch.inference_mode():
+        frozen = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
+        wl, ll = logits[0].clone(), logits[1].clone()
+        assert wl.is_inference() and frozen[0].weight.is_inference()
+        for t in range(T):
+            if t == 7:  # an in-place change inside inference mode must be seen as well
+                wl.add_(1.0)
+                logits[0].add_(1.0)
+                for new, old in zip(frozen, normal):
+                    new.bias.add_(0.5)
+                    old.bias.data.add_(0.5)
+            if t == 0:
+                want_state = init_state(B, Hk, D, w, feature_dim=2 * D)
+                got_state = init_state(B, Hk, D, w, feature_dim=2 * D)
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            kw = dict(formulation="lolcats", backend="torch", inplace=True)
+            want, want_state = hybrid_attention_step(*step, want_state, logits[0], logits[1], feature_map=normal, **kw)
+            got, got_state = hybrid_attention_step(*step, got_state, wl, ll, feature_map=frozen, **kw)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps, version_key
 from .reference import FORMULATIONS, combine, mixing_weights
 from .state import HybridState, init_state, prefill_state  # noqa: F401 (the state's home is state.py)
 
@@ -184,11 +184,12 @@ def _mixing_terms(window_logit: Tensor, linear_logit: Tensor, kv_heads: int, g: 
     """``(a, log a, b)`` as ``[1, H_kv, g, 1]`` fp32 (``log a = logsigmoid``: finite for any logit). Kept
     on the logit tensor until either logit changes: a decode step would otherwise spend three of its
     ops on them (the step runs without autograd, so nothing needs their graph)."""
-    key = (window_logit._version, linear_logit._version, window_logit.data_ptr(), linear_logit.data_ptr(), kv_heads)
+    key = version_key(window_logit, linear_logit)
     cached = getattr(window_logit, "_hybrid_mixing_terms", None)
-    if cached is not None and cached[0] == key:
+    if key is not None and cached is not None and cached[0] == (key, kv_heads):
         return cached[1]
     wl, ll = window_logit.detach().float(), linear_logit.detach().float()
     terms = tuple(t.view(1, kv_heads, g, 1) for t in (torch.sigmoid(wl), F.logsigmoid(wl), torch.sigmoid(ll)))
-    window_logit._hybrid_mixing_terms = (key, terms)
+    if key is not None:
+        window_logit._hybrid_mixing_terms = ((key, kv_heads), terms)
     return terms

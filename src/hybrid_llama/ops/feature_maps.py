@@ -25,6 +25,16 @@ def elu1(x: Tensor) -> Tensor:
     return F.elu(x) + 1.0
 
 
+def version_key(*tensors: Tensor) -> tuple | None:
+    """``(version, data_ptr)`` of each tensor: values derived from them may be kept under this key
+    until one is modified in place (an optimizer step bumps the version) or replaced. None for
+    inference tensors (made under ``torch.inference_mode``), which keep no version counter: nothing
+    derived from those is kept."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple((t._version, t.data_ptr()) for t in tensors)
+
+
 class HedgehogFeatureMap(nn.Module):
     """Learnable Hedgehog map: ``softmax(x W_h) ++ softmax(-x W_h)`` per head.
 
@@ -71,9 +81,9 @@ class HedgehogFeatureMap(nn.Module):
         """``(W, b)`` in fp32, or with ``signed`` ``[W, -W]`` ``[H, D, 2 Fh]`` and ``[b, -b]``
         ``[H, 1, 2 Fh]``. Without autograd they are kept until the parameters change (a decode step
         maps one token: rebuilding them would cost as much as the map itself)."""
-        if torch.is_grad_enabled():
+        key = None if torch.is_grad_enabled() else version_key(self.weight, self.bias)
+        if key is None:
             return self._fp32(signed)
-        key = (signed, self.weight._version, self.bias._version, self.weight.data_ptr(), self.bias.data_ptr())
         cached = self.__dict__.get("_fp32_cache", {})
         if cached.get(signed, (None,))[0] != key:
             cached[signed] = (key, self._fp32(signed))
