@@ -242,11 +242,11 @@ def hybrid_attention_chunked(
         lin = torch.baddbmm(torch.bmm(qc, state_in.view(B * Hk * nc, Fd, D + 1)), intra, vc)
         lin = _chunks_7d(lin, Hk, g, nc, m)  # [B, Hk, nc, m, g, w, D+1], aligned with win_avg
 
-        if has_win is None and formulation == "hybrid":
-            # Common case (no padding, every window non-empty): the mix without combine's guards.
-            out = torch.addcmul(win_avg * a7, lin[..., :D], b7) / torch.addcmul(a7, lin[..., D:], b7)
-        elif has_win is None:  # lolcats, same case: win_sum >= 1, so the normalizer is positive
-            w_win = win_sum * a7
+        if has_win is None:
+            # Common case (no padding, every window non-empty): the mix without combine's guards. The
+            # window's weight is a (hybrid) or a * win_sum with win_sum >= 1 (lolcats): the
+            # normalizer is positive.
+            w_win = a7 if formulation == "hybrid" else win_sum * a7
             out = torch.addcmul(win_avg * w_win, lin[..., :D], b7) / torch.addcmul(w_win, lin[..., D:], b7)
         else:
             out = combine(formulation, a7, b7, win_avg, win_sum, lin[..., :D], lin[..., D:])

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps, version_key
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .kept import kept
 from .reference import FORMULATIONS, combine, mixing_weights
 from .state import HybridState, init_state, prefill_state  # noqa: F401 (the state's home is state.py)
 
@@ -181,15 +182,11 @@ def _zero(device: torch.device) -> Tensor:
 
 
 def _mixing_terms(window_logit: Tensor, linear_logit: Tensor, kv_heads: int, g: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(a, log a, b)`` as ``[1, H_kv, g, 1]`` fp32 (``log a = logsigmoid``: finite for any logit). Kept
-    on the logit tensor until either logit changes: a decode step would otherwise spend three of its
-    ops on them (the step runs without autograd, so nothing needs their graph)."""
-    key = version_key(window_logit, linear_logit)
-    cached = getattr(window_logit, "_hybrid_mixing_terms", None)
-    if key is not None and cached is not None and cached[0] == (key, kv_heads):
-        return cached[1]
-    wl, ll = window_logit.detach().float(), linear_logit.detach().float()
-    terms = tuple(t.view(1, kv_heads, g, 1) for t in (torch.sigmoid(wl), F.logsigmoid(wl), torch.sigmoid(ll)))
-    if key is not None:
-        window_logit._hybrid_mixing_terms = ((key, kv_heads), terms)
-    return terms
+    """``(a, log a, b)`` as ``[1, H_kv, g, 1]`` fp32 (``log a = logsigmoid``: finite for any logit), kept
+    on the window logit until either logit changes (``kept``): a decode step would otherwise spend
+    three of its ops on them."""
+    def make() -> tuple[Tensor, Tensor, Tensor]:
+        wl, ll = window_logit.detach().float(), linear_logit.detach().float()
+        return tuple(t.view(1, kv_heads, g, 1) for t in (torch.sigmoid(wl), F.logsigmoid(wl), torch.sigmoid(ll)))
+
+    return kept(window_logit, f"_hybrid_mixing_terms_{kv_heads}", (window_logit, linear_logit), make)

@@ -17,22 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kept import kept
+
 FeatureMap = str | Callable[[Tensor], Tensor] | tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
 
 def elu1(x: Tensor) -> Tensor:
     """``elu(x) + 1``: positive, F = D (the map of "Linear Transformers are RNNs")."""
     return F.elu(x) + 1.0
-
-
-def version_key(*tensors: Tensor) -> tuple | None:
-    """``(version, data_ptr)`` of each tensor: values derived from them may be kept under this key
-    until one is modified in place (an optimizer step bumps the version) or replaced. None for
-    inference tensors (made under ``torch.inference_mode``), which keep no version counter: nothing
-    derived from those is kept."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple((t._version, t.data_ptr()) for t in tensors)
 
 
 class HedgehogFeatureMap(nn.Module):
@@ -79,16 +71,8 @@ class HedgehogFeatureMap(nn.Module):
 
     def fp32_parameters(self, signed: bool) -> tuple[Tensor, Tensor]:
         """``(W, b)`` in fp32, or with ``signed`` ``[W, -W]`` ``[H, D, 2 Fh]`` and ``[b, -b]``
-        ``[H, 1, 2 Fh]``. Without autograd they are kept until the parameters change (a decode step
-        maps one token: rebuilding them would cost as much as the map itself)."""
-        key = None if torch.is_grad_enabled() else version_key(self.weight, self.bias)
-        if key is None:
-            return self._fp32(signed)
-        cached = self.__dict__.get("_fp32_cache", {})
-        if cached.get(signed, (None,))[0] != key:
-            cached[signed] = (key, self._fp32(signed))
-            self.__dict__["_fp32_cache"] = cached
-        return cached[signed][1]
+        ``[H, 1, 2 Fh]``. Without autograd they are kept until the parameters change (``kept``)."""
+        return kept(self, f"_fp32_parameters_{signed}", (self.weight, self.bias), lambda: self._fp32(signed))
 
     def _fp32(self, signed: bool) -> tuple[Tensor, Tensor]:
         w, b = self.weight.float(), self.bias.float()

@@ -1,0 +1,37 @@
+"""Values derived from parameters, kept between calls while those parameters are unchanged.
+
+A decode step maps one token, so rebuilding what it derives from the parameters (Hedgehog's fp32 or
+signed weights, the sigmoids of the mixing logits) would cost as much as the step's own ops. Without
+autograd such values are kept on an owner object under a key of the sources' versions and storage:
+an in-place update (an optimizer step) bumps the version, a new tensor has new storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+def version_key(*tensors: Tensor) -> tuple | None:
+    """``(version, data_ptr)`` of each tensor, or None for inference tensors (made under
+    ``torch.inference_mode``), which keep no version counter: nothing derived from those is kept."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple((t._version, t.data_ptr()) for t in tensors)
+
+
+def kept(owner: object, slot: str, sources: tuple[Tensor, ...], make: Callable[[], T]) -> T:
+    """``make()``, kept in ``owner.__dict__[slot]`` until a source changes; recomputed every call under
+    autograd (the result must carry the graph) or when a source has no version counter."""
+    key = None if torch.is_grad_enabled() else version_key(*sources)
+    if key is None:
+        return make()
+    hit = owner.__dict__.get(slot)
+    if hit is None or hit[0] != key:
+        hit = owner.__dict__[slot] = (key, make())
+    return hit[1]
