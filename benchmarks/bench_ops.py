@@ -17,7 +17,8 @@ or when the previous T of the same backend took longer than ``--max-call-s``.
 
 Decode: states are prefilled with a context of 1K and of 32K tokens, then
 ``hybrid_attention_step`` (in place, as a generation cache runs it) is timed over ``--decode-steps``
-tokens each (median per step; the
+tokens each (median per step), as a model runs it on the CPU (``backend="auto"``: the native step of
+``ops/cpu_step.c``) and as the torch ops' step (``backend="torch"``); the paths and
 contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
 KV-cache step (SDPA of one query over the whole context, cache not grown) is timed alongside for
 contrast.
@@ -140,24 +141,29 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
     res = {}
     with torch.no_grad():
         states, caches = {}, {}
+        # "auto" is what a model runs on the CPU (the native step, ops/cpu_step.c, where it applies),
+        # "torch" the torch ops' in-place step it replaces.
+        paths = ("auto", "torch")
         for ctx in contexts:
             k, v = (torch.randn(B, H, ctx, D, generator=g) for _ in range(2))
-            states[ctx] = prefill_state(k, v, window=window)
+            for path in paths:
+                states[ctx, path] = prefill_state(k, v, window=window)
             caches[ctx] = (k, v)
-        times = {ctx: [] for ctx in contexts}
+        times = {(ctx, path): [] for ctx in contexts for path in paths}
         sdpa = {ctx: [] for ctx in contexts}
-        # Interleave the contexts in rounds of 10 steps so that load drift on a shared machine
-        # hits all of them alike; the first round is warm-up.
+        # Interleave the contexts and step paths in rounds of 10 steps so that load drift on a shared
+        # machine hits all of them alike; the first round is warm-up.
         for rnd in range(steps // 10 + 1):
             for ctx in contexts:
-                for _ in range(10):
-                    qt, kt, vt = torch.randn(3, B, H, 1, D, generator=g)
-                    t0 = time.perf_counter()
-                    # in place, as a generation cache steps (the cache owns its state)
-                    _, states[ctx] = hybrid_attention_step(qt, kt, vt, states[ctx], wl, ll, backend="torch",
-                                                           inplace=True)
-                    if rnd:
-                        times[ctx].append(time.perf_counter() - t0)
+                for path in paths:
+                    for _ in range(10):
+                        qt, kt, vt = torch.randn(3, B, H, 1, D, generator=g)
+                        t0 = time.perf_counter()
+                        # in place, as a generation cache steps (the cache owns its state)
+                        _, states[ctx, path] = hybrid_attention_step(qt, kt, vt, states[ctx, path], wl, ll,
+                                                                     backend=path, inplace=True)
+                        if rnd:
+                            times[ctx, path].append(time.perf_counter() - t0)
         # The softmax steps run apart: streaming a 150 MB cache would evict the hybrid state's
         # cache lines and skew the comparison between contexts.
         for ctx in contexts:
@@ -168,10 +174,11 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
                 if i >= 10:
                     sdpa[ctx].append(time.perf_counter() - t0)
         for ctx in contexts:
-            state, (k, _) = states[ctx], caches[ctx]
+            state, (k, _) = states[ctx, "auto"], caches[ctx]
             state_bytes = sum(x.numel() * x.element_size() for x in (state.k_window, state.v_window, state.S, state.z))
             res[ctx] = {
-                "step_us": 1e6 * statistics.median(times[ctx]),
+                "step_us": 1e6 * statistics.median(times[ctx, "auto"]),
+                "torch_step_us": 1e6 * statistics.median(times[ctx, "torch"]),
                 "sdpa_us": 1e6 * statistics.median(sdpa[ctx]),
                 "state_kb": state_bytes / 1024,
                 "kv_cache_kb": 2 * k.numel() * k.element_size() / 1024,
@@ -458,10 +465,12 @@ def main() -> None:
         dec = spawn("decode", payload, timeout=1800)
         results["decode"] = dec
         print()
-        print("| context | hybrid step us | hybrid state KB | softmax KV-cache step (SDPA) us | KV cache KB |")
-        print("|---|---|---|---|---|")
+        print("| context | hybrid step us | torch-ops step us | hybrid state KB | softmax KV-cache step (SDPA) us "
+              "| KV cache KB |")
+        print("|---|---|---|---|---|---|")
         for ctx, r in dec.items():
-            print(f"| {ctx} | {r['step_us']:.1f} | {r['state_kb']:.0f} | {r['sdpa_us']:.1f} | {r['kv_cache_kb']:.0f} |")
+            print(f"| {ctx} | {r['step_us']:.1f} | {r['torch_step_us']:.1f} | {r['state_kb']:.0f} | {r['sdpa_us']:.1f} "
+                  f"| {r['kv_cache_kb']:.0f} |")
         first, last = dec[str(contexts[0])], dec[str(contexts[-1])]
         print(f"\nhybrid step / softmax KV-cache step at {contexts[0]} context: "
               f"{first['step_us'] / first['sdpa_us']:.2f}x (goal <= 1.0x)")

@@ -340,10 +340,9 @@ class HybridLlamaAttention(LlamaAttention):
         else:
             state, outs = slot.state, []
             for t in range(q_len):
+                # One token (every generate step): q, k, v as they are; slicing costs ops that run cold.
                 o, state = hybrid_attention_step(
-                    q[:, :, t : t + 1],
-                    k[:, :, t : t + 1],
-                    v[:, :, t : t + 1],
+                    *((q, k, v) if q_len == 1 else (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])),
                     state,
                     wl,
                     ll,

@@ -22,9 +22,11 @@ import importlib
 import logging
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_step
 from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
@@ -201,8 +203,18 @@ def hybrid_attention_step(
     ``key_valid``: ``[B]`` bool, False marks the new token as padding. Backends: ``auto`` (triton on
     CUDA when available, else torch), ``torch`` / ``reference`` / ``chunked`` / ``seed_naive`` (all
     the torch step: the recreation had no recurrent decode), ``triton``. ``inplace``: the caller
-    gives ``state`` up (a generation cache), so the torch step may update its buffers in place.
+    gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
+    ``auto`` and ``chunked`` then run it as one native call where ``cpu_step`` covers the arguments.
     """
+    if (inplace and key_valid is None and backend in ("auto", "chunked") and q.is_cpu and state.sparse is None
+            and not (sparse_cache or sinks) and not torch.is_grad_enabled()
+            and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
+        # The common decode step of a generation cache on the CPU: one native call where it applies
+        # (checked first and kept lean: inside a model every line here runs cold).
+        out = cpu_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
+                                     *resolve_qk_maps(feature_map))
+        if out is not None:
+            return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
     if backend not in BACKENDS + ("torch",):
         raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")

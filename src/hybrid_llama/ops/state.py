@@ -169,8 +169,8 @@ def prefill_state(
 
     state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
     n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
-    if linear_sums is not None:
-        state.S, state.z = linear_sums
+    if linear_sums is not None:  # often views into one [S | z] buffer: the in-place step wants its own memory
+        state.S, state.z = (t.contiguous() for t in linear_sums)
     elif n_lin > 0:
         state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], None if real is None else real[:, :n_lin],
                                           feature_map)

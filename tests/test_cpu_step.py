@@ -1,0 +1,197 @@
+"""The native CPU decode step (ops/cpu_step.c): equal to the torch step and to the naive parallel op,
+built once per source and CPU, and never in the way where it does not apply."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybrid_llama.ops import HedgehogFeatureMap, cpu_step, hybrid_attention, hybrid_attention_step, init_state
+from hybrid_llama.ops.state import prefill_state
+
+pytestmark = pytest.mark.skipif(cpu_step.load() is None, reason=f"no C compiler here: {cpu_step._why_not}")
+
+
+def trained_maps(H: int, Hk: int, D: int, seed: int = 3) -> tuple[HedgehogFeatureMap, HedgehogFeatureMap]:
+    """Hedgehog maps away from their identity start, so W and b matter."""
+    g = torch.Generator().manual_seed(seed)
+    maps = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
+    with torch.no_grad():
+        for m in maps:
+            m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
+            m.bias.add_(0.5 * torch.randn(m.bias.shape, generator=g))
+    return maps
+
+
+def problem(B, H, Hk, T, D, fmap, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    wl, ll = 2 * torch.randn(H, generator=g), 2 * torch.randn(H, generator=g)
+    feature = trained_maps(H, Hk, D) if fmap == "hedgehog" else "elu1"
+    return q, k, v, wl, ll, feature, (2 * D if fmap == "hedgehog" else D)
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the steps the kernel actually ran (step_in_place returning an output)."""
+    calls = {"ran": 0, "declined": 0}
+    real = cpu_step.step_in_place
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["ran" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(cpu_step, "step_in_place", counting)
+    return calls
+
+
+def steps(q, k, v, wl, ll, state, **kw):
+    outs = []
+    for t in range(q.shape[2]):
+        o, state = hybrid_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll,
+                                         inplace=True, **kw)
+        outs.append(o)
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("B,H,Hk,D,w", [(2, 4, 2, 8, 6), (1, 9, 3, 64, 16), (1, 3, 3, 16, 1)])
+def test_native_step_equals_torch_step_and_naive_op(formulation, fmap, B, H, Hk, D, w, native_calls):
+    """Across the window's fill, the first fold and many folds, with GQA and a batch: the kernel's
+    outputs and states equal the torch in-place step's, and its outputs the naive O(T^2) op's."""
+    T = 3 * w + 7
+    q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T, D, fmap)
+    kw = dict(feature_map=feature, formulation=formulation)
+    with torch.no_grad():
+        got, native = steps(q, k, v, wl, ll, init_state(B, Hk, D, w, feature_dim=fdim), backend="auto", **kw)
+        assert native_calls == {"ran": T, "declined": 0}
+        want, torch_state = steps(q, k, v, wl, ll, init_state(B, Hk, D, w, feature_dim=fdim), backend="torch", **kw)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, naive, atol=2e-6, rtol=1e-5)
+    assert native.seen == torch_state.seen == T
+    assert torch.equal(native.k_window, torch_state.k_window) and torch.equal(native.v_window, torch_state.v_window)
+    assert torch.equal(native.window_valid, torch_state.window_valid)
+    torch.testing.assert_close(native.S, torch_state.S, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.z, torch_state.z, atol=1e-5, rtol=1e-5)
+
+
+def test_native_step_continues_a_prefill_and_follows_new_logits(native_calls):
+    """From a chunked prefill's state, with the mixing logits changed in place mid-way (as an optimizer
+    step does), the kernel's steps equal the naive op over the whole sequence."""
+    B, H, Hk, D, w, T, n = 1, 6, 2, 32, 8, 29, 12
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + n, D, "hedgehog", seed=9)
+    kw = dict(feature_map=feature, formulation="lolcats")
+    with torch.no_grad():
+        _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
+                                    output_final_state=True, **kw)
+        first, state = steps(q[:, :, T : T + 5], k[:, :, T : T + 5], v[:, :, T : T + 5], wl, ll, state, **kw)
+        naive, _ = hybrid_attention(q[:, :, : T + 5], k[:, :, : T + 5], v[:, :, : T + 5], wl, ll, window=w,
+                                    backend="reference", **kw)
+        torch.testing.assert_close(first, naive[:, :, T:], atol=2e-6, rtol=1e-5)
+        wl.add_(torch.linspace(-3, 3, H))
+        ll.mul_(-1)
+        rest, state = steps(q[:, :, T + 5 :], k[:, :, T + 5 :], v[:, :, T + 5 :], wl, ll, state, **kw)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
+    torch.testing.assert_close(rest, naive[:, :, T + 5 :], atol=2e-6, rtol=1e-5)
+    assert native_calls["ran"] == n and state.seen == T + n
+
+
+def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
+    """A padded key in the window, bf16 buffers, the torch backend and HYBRID_LLAMA_NATIVE_STEP=0 all
+    take the torch step, with its results."""
+    B, H, Hk, D, w, T = 2, 4, 2, 8, 4, 7
+    q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T + 3, D, "elu1")
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, T - 1] = False
+    with torch.no_grad():
+        padded = prefill_state(k[:, :, :T], v[:, :, :T], window=w, key_padding_mask=mask)
+        reference = prefill_state(k[:, :, :T], v[:, :, :T], window=w, key_padding_mask=mask)
+        step = (q[:, :, T : T + 1], k[:, :, T : T + 1], v[:, :, T : T + 1])
+        got, _ = hybrid_attention_step(*step, padded, wl, ll, formulation="lolcats", inplace=True)
+        want, _ = hybrid_attention_step(*step, reference, wl, ll, formulation="lolcats", backend="torch")
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert native_calls["ran"] == 0  # the padded key kept it from being asked at all
+
+        half = prefill_state(k[:, :, :T].bfloat16(), v[:, :, :T].bfloat16(), window=w)
+        hybrid_attention_step(*(t.bfloat16() for t in step), half, wl, ll, formulation="lolcats", inplace=True)
+        assert native_calls == {"ran": 0, "declined": 1}
+
+        clean = prefill_state(k[:, :, :T], v[:, :, :T], window=w)
+        hybrid_attention_step(*step, clean, wl, ll, formulation="lolcats", inplace=True, backend="torch")
+        monkeypatch.setenv("HYBRID_LLAMA_NATIVE_STEP", "0")
+        hybrid_attention_step(*step, clean, wl, ll, formulation="lolcats", inplace=True)
+        assert native_calls == {"ran": 0, "declined": 2}
+
+
+def test_kernel_checks_every_buffer_shape():
+    """The kernel trusts its sizes: a state whose buffers disagree with q/k/v is declined, not read."""
+    B, H, Hk, D, w = 1, 4, 2, 8, 4
+    q, k, v, wl, ll, _, _ = problem(B, H, Hk, 1, D, "elu1")
+    with torch.no_grad():
+        for broken in ("S", "z", "v_window", "window_valid"):
+            state = init_state(B, Hk, D, w)
+            t = getattr(state, broken)
+            setattr(state, broken, t[..., :-1].contiguous() if broken != "window_valid" else t[:, :-1].contiguous())
+            assert cpu_step.step_in_place(q, k, v, state, wl, ll, "lolcats", *(cpu_step.elu1,) * 2) is None
+            assert state.seen == 0
+        assert cpu_step.step_in_place(q, k, v, init_state(B, Hk, D, w), wl[:-1], ll, "lolcats",
+                                      cpu_step.elu1, cpu_step.elu1) is None
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    """The first use compiles into the cache directory; a fresh process state reuses that file without
+    compiling."""
+    monkeypatch.setenv("HYBRID_LLAMA_KERNEL_CACHE", str(tmp_path))
+    for name in ("_library", "_why_not"):
+        monkeypatch.setattr(cpu_step, name, None)
+    lib = cpu_step.load()
+    assert lib is not None and cpu_step.library_path().parent == tmp_path
+    built = list(tmp_path.glob("cpu_step-*.so"))
+    assert built == [cpu_step.library_path()]
+    mtime = built[0].stat().st_mtime_ns
+
+    monkeypatch.setattr(cpu_step, "_library", None)
+    monkeypatch.setattr(cpu_step, "_compile", lambda target: pytest.fail("compiled again"))
+    assert cpu_step.load() is not None and built[0].stat().st_mtime_ns == mtime
+
+
+
+
+
+def test_generation_with_the_kernel_equals_the_torch_step(tmp_path):
+    """A hybrid model's cached greedy generation is the same with the kernel and with the torch step."""
+    from hybrid_llama.models import convert_to_hybrid, load_model
+    from hybrid_llama.weights import resolve_model
+
+    model, _ = load_model(resolve_model({"kind": "random", "preset": "tiny"}, str(tmp_path / "tiny")))
+    convert_to_hybrid(model, layers=[0, 1], window=4, formulation="lolcats", feature_map="hedgehog")
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for flag in ("1", "0"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("HYBRID_LLAMA_NATIVE_STEP", flag)
+            runs[flag] = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                        return_dict_in_generate=True)
+    assert torch.equal(runs["1"].sequences, runs["0"].sequences)
+    torch.testing.assert_close(torch.stack(runs["1"].logits), torch.stack(runs["0"].logits), atol=1e-4, rtol=1e-4)
+
+
+def test_without_a_compiler_the_torch_step_runs_and_says_so_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HYBRID_LLAMA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    for name in ("_library", "_why_not"):
+        monkeypatch.setattr(cpu_step, name, None)
+    with caplog.at_level(logging.WARNING, logger=cpu_step.__name__):
+        assert cpu_step.load() is None and cpu_step.load() is None
+    assert len([r for r in caplog.records if "native CPU step is unavailable" in r.getMessage()]) == 1
+    assert "false" in cpu_step._why_not and list(tmp_path.glob("*")) == []  # no half-written file left
+    q, k, v, wl, ll, _, _ = problem(1, 2, 2, 1, 4, "elu1")
+    with torch.no_grad():
+        out, state = hybrid_attention_step(q, k, v, init_state(1, 2, 4, 3), wl, ll, inplace=True)
+    assert state.seen == 1 and torch.allclose(out, v)  # one key: the output is its value
