@@ -133,8 +133,8 @@ def _fp32_cpu(*tensors: Tensor) -> bool:
 @dataclass
 class _Prepared:
     """A checked call for one state and one layer's parameters: every size and pointer but the
-    token's own. Inside a model the Python around the kernel runs cold too (it cost about as much as
-    the kernel), so each step only checks that nothing it was prepared from has changed."""
+    token's own. Inside a model the Python around the kernel runs cold too (docs/performance.md), so
+    each step only checks that nothing it was prepared from has changed."""
 
     sources: tuple  # the objects it was prepared from (kept alive here, so their ids stay theirs)
     ids: tuple[int, ...]
