@@ -18,7 +18,7 @@ or when the previous T of the same backend took longer than ``--max-call-s``.
 Decode: states are prefilled with a context of 1K and of 32K tokens, then
 ``hybrid_attention_step`` (in place, as a generation cache runs it) is timed over ``--decode-steps``
 tokens each (median per step), as a model runs it on the CPU (``backend="auto"``: the native step of
-``ops/cpu_step.c``) and as the torch ops' step (``backend="torch"``); the paths and
+``ops/cpu_kernels.c``) and as the torch ops' step (``backend="torch"``); the paths and
 contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
 KV-cache step (SDPA of one query over the whole context, cache not grown) is timed alongside for
 contrast.
@@ -26,7 +26,9 @@ contrast.
 The matmul floor: the best rate of an fp32 product of two 2048 x 2048 matrices on the same threads,
 and for each T the op's FLOPs (``op_flops``: the window's and the linear state's work that any
 algorithm must do) divided by it. ``chunked / floor`` is how far the backend is from doing only
-that work at the machine's best matmul rate.
+that work at the machine's best matmul rate. ``chunked`` is the backend as a model runs it on the
+CPU without autograd (the native recurrence of ``ops/cpu_prefill.py`` where it applies), ``torch``
+the same backend's torch ops alone (what training runs).
 
 GQA (``--gqa-kv-heads N``, replaces the runs above): the chunked backend on k/v with N KV heads,
 native (phi(k), chunk states and carry once per KV head) against expand-then-chunked (k/v repeated
@@ -52,7 +54,7 @@ import subprocess
 import sys
 import time
 
-BACKENDS = ("chunked", "reference", "sdpa", "seed_naive")
+BACKENDS = ("chunked", "torch", "reference", "sdpa", "seed_naive")
 
 
 def _status_kb(field: str) -> int:
@@ -91,7 +93,10 @@ def run_case(backend: str, B: int, H: int, T: int, D: int, window: int, threads:
         q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
         wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
         return {
+            # "chunked" is what a model runs on the CPU (the native recurrence of ops/cpu_prefill.py
+            # where it applies), "torch" the chunked backend's torch ops alone
             "chunked": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="chunked")[0],
+            "torch": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="torch")[0],
             "reference": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="reference")[0],
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "seed_naive": lambda: hybrid_attention_seed_naive(q, k, v, wl, ll, window=window)[0],
@@ -141,7 +146,7 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
     res = {}
     with torch.no_grad():
         states, caches = {}, {}
-        # "auto" is what a model runs on the CPU (the native step, ops/cpu_step.c, where it applies),
+        # "auto" is what a model runs on the CPU (the native step, ops/cpu_kernels.c, where it applies),
         # "torch" the torch ops' in-place step it replaces.
         paths = ("auto", "torch")
         for ctx in contexts:
@@ -434,19 +439,22 @@ def main() -> None:
     print()
     print(f"fp32 matmul floor: {floor['gflops']:.1f} GFLOP/s (best of 10 products of {floor['n']}x{floor['n']} "
           f"matrices, {threads} threads). Floor = the op's FLOPs at that rate; chunked / floor is the goal's ratio "
-          "(<= 4x); the chunked backend's own (banded, chunked) FLOPs are shown beside it:")
+          "(<= 4x). The native recurrence does the op's FLOPs; the torch ops' own (banded, chunked) FLOPs are "
+          "shown beside them:")
     print()
-    print("| T | op GFLOP | floor ms | chunked ms | chunked / floor | chunked's executed GFLOP | its rate GFLOP/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | op GFLOP | floor ms | chunked ms | chunked / floor | torch ops ms | torch ops / floor "
+          "| torch ops' executed GFLOP | their rate GFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in results["prefill"]:
-        ms = get(T, "chunked", "ms")
+        ms, torch_ms = get(T, "chunked", "ms"), get(T, "torch", "ms")
         need, done = op_flops(B, H, T, D, w), chunked_flops(B, H, T, D, w)
         floor_ms = 1000 * need / rate
         results["prefill"][T]["floor"] = {"op_gflop": need / 1e9, "floor_ms": floor_ms,
-                                          "chunked_gflop": done / 1e9}
+                                          "torch_ops_gflop": done / 1e9}
         print(f"| {T} | {need / 1e9:.2f} | {floor_ms:.1f} | {fmt(ms)} | "
-              f"{fmt(ms / floor_ms if ms else None, '.2f')}x | {done / 1e9:.2f} | "
-              f"{fmt(done / 1e6 / ms if ms else None)} |")
+              f"{fmt(ms / floor_ms if ms else None, '.2f')}x | {fmt(torch_ms)} | "
+              f"{fmt(torch_ms / floor_ms if torch_ms else None, '.2f')}x | {done / 1e9:.2f} | "
+              f"{fmt(done / 1e6 / torch_ms if torch_ms else None)} |")
     print()
     print("Peak extra resident memory per forward (output included):")
     print()

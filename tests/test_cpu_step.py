@@ -1,5 +1,5 @@
-"""The native CPU decode step (ops/cpu_step.c): equal to the torch step and to the naive parallel op,
-built once per source and CPU, and never in the way where it does not apply."""
+"""The native CPU decode step (ops/cpu_kernels.c, ops/cpu_step.py): equal to the torch step and to the
+naive parallel op, built once per source and CPU, and never in the way where it does not apply."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from hybrid_llama.ops import HedgehogFeatureMap, cpu_step, hybrid_attention, hybrid_attention_step, init_state
+from hybrid_llama.ops import HedgehogFeatureMap, cpu_step, hybrid_attention, hybrid_attention_step, init_state, native
 from hybrid_llama.ops.state import prefill_state
 
-pytestmark = pytest.mark.skipif(cpu_step.load() is None, reason=f"no C compiler here: {cpu_step._why_not}")
+pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
 
 
 def trained_maps(H: int, Hk: int, D: int, seed: int = 3) -> tuple[HedgehogFeatureMap, HedgehogFeatureMap]:
@@ -102,7 +102,7 @@ def test_native_step_continues_a_prefill_and_follows_new_logits(native_calls):
 
 
 def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
-    """A padded key in the window, bf16 buffers, the torch backend and HYBRID_LLAMA_NATIVE_STEP=0 all
+    """A padded key in the window, bf16 buffers, the torch backend and HYBRID_LLAMA_NATIVE=0 all
     take the torch step, with its results."""
     B, H, Hk, D, w, T = 2, 4, 2, 8, 4, 7
     q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T + 3, D, "elu1")
@@ -123,7 +123,7 @@ def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
 
         clean = prefill_state(k[:, :, :T], v[:, :, :T], window=w)
         hybrid_attention_step(*step, clean, wl, ll, formulation="lolcats", inplace=True, backend="torch")
-        monkeypatch.setenv("HYBRID_LLAMA_NATIVE_STEP", "0")
+        monkeypatch.setenv("HYBRID_LLAMA_NATIVE", "0")
         hybrid_attention_step(*step, clean, wl, ll, formulation="lolcats", inplace=True)
         assert native_calls == {"ran": 0, "declined": 2}
 
@@ -147,17 +147,17 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     """The first use compiles into the cache directory; a fresh process state reuses that file without
     compiling."""
     monkeypatch.setenv("HYBRID_LLAMA_KERNEL_CACHE", str(tmp_path))
-    for name in ("_library", "_why_not"):
-        monkeypatch.setattr(cpu_step, name, None)
-    lib = cpu_step.load()
-    assert lib is not None and cpu_step.library_path().parent == tmp_path
-    built = list(tmp_path.glob("cpu_step-*.so"))
-    assert built == [cpu_step.library_path()]
+    for name in ("_library", "_why_not", "built_with"):
+        monkeypatch.setattr(native, name, None)
+    lib = native.load()
+    assert lib is not None and native.library_path().parent == tmp_path
+    built = list(tmp_path.glob("cpu_kernels-*.so"))
+    assert built == [native.library_path()]
     mtime = built[0].stat().st_mtime_ns
 
-    monkeypatch.setattr(cpu_step, "_library", None)
-    monkeypatch.setattr(cpu_step, "_compile", lambda target: pytest.fail("compiled again"))
-    assert cpu_step.load() is not None and built[0].stat().st_mtime_ns == mtime
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_compile", lambda *args: pytest.fail("compiled again"))
+    assert native.load() is not None and built[0].stat().st_mtime_ns == mtime
 
 
 
@@ -175,7 +175,7 @@ def test_generation_with_the_kernel_equals_the_torch_step(tmp_path):
     runs = {}
     for flag in ("1", "0"):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("HYBRID_LLAMA_NATIVE_STEP", flag)
+            mp.setenv("HYBRID_LLAMA_NATIVE", flag)
             runs[flag] = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
                                         return_dict_in_generate=True)
     assert torch.equal(runs["1"].sequences, runs["0"].sequences)
@@ -185,12 +185,12 @@ def test_generation_with_the_kernel_equals_the_torch_step(tmp_path):
 def test_without_a_compiler_the_torch_step_runs_and_says_so_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HYBRID_LLAMA_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    for name in ("_library", "_why_not"):
-        monkeypatch.setattr(cpu_step, name, None)
-    with caplog.at_level(logging.WARNING, logger=cpu_step.__name__):
-        assert cpu_step.load() is None and cpu_step.load() is None
-    assert len([r for r in caplog.records if "native CPU step is unavailable" in r.getMessage()]) == 1
-    assert "false" in cpu_step._why_not and list(tmp_path.glob("*")) == []  # no half-written file left
+    for name in ("_library", "_why_not", "built_with"):
+        monkeypatch.setattr(native, name, None)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.load() is None and native.load() is None
+    assert len([r for r in caplog.records if "native CPU kernels are unavailable" in r.getMessage()]) == 1
+    assert "false" in native.why_not() and list(tmp_path.glob("*")) == []  # no half-written file left
     q, k, v, wl, ll, _, _ = problem(1, 2, 2, 1, 4, "elu1")
     with torch.no_grad():
         out, state = hybrid_attention_step(q, k, v, init_state(1, 2, 4, 3), wl, ll, inplace=True)

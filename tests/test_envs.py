@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENVS = sorted((REPO / "envs").glob("*.yaml"))
 # conda-forge names that differ from the PyPI names in pyproject.toml
 CONDA_TO_PYPI = {"pytorch": "torch", "matplotlib-base": "matplotlib", "lm_eval": "lm-eval"}
-# Tools rather than Python dependencies: pip, and the C compiler the native decode step is built with.
+# Tools rather than Python dependencies: pip, and the C compiler the native CPU kernels are built with.
 TOOLCHAIN = {"pip", "c-compiler"}
 
 

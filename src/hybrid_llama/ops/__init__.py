@@ -8,7 +8,9 @@ Public API (contract in docs/design.md, section "ops"):
 - ``hybrid_attention_step(q, k, v, state, window_logit, linear_logit, *, ...)``: one decode step.
 - ``prefill_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
 
-Backends: ``reference`` (readable, O(T^2)), ``chunked`` (pure PyTorch, O(T*w*D + T*D^2)),
+Backends: ``reference`` (readable, O(T^2)), ``chunked`` (on the CPU without autograd the native
+recurrence of ``cpu_prefill`` where it applies, else PyTorch ops, O(T*w*D + T*D^2); ``torch`` forces
+the PyTorch ops),
 ``triton`` (CUDA kernels, loaded lazily from ``triton_prefill`` / ``triton_decode``), ``auto``
 (triton on CUDA when it imports and supports the options, else chunked; a fallback on CUDA is
 logged once with its reason), and ``seed_naive`` (the
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_step
+from . import cpu_prefill, cpu_step
 from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
@@ -111,8 +113,8 @@ def hybrid_attention(
     them itself, seed_naive gets them repeated here."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS + ("torch",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
@@ -126,7 +128,7 @@ def hybrid_attention(
         o, _ = hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
         # The decode state stays at the KV heads, as the step reads it.
         return o, prefill_state(k, v, window=window) if output_final_state else None
-    if backend in ("auto", "chunked") and key_padding_mask is None and q.shape[2] <= window:
+    if backend in ("auto", "chunked", "torch") and key_padding_mask is None and q.shape[2] <= window:
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
         resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
         return _softmax_only(q, k, v, window=window, feature_map=feature_map, output_final_state=output_final_state)
@@ -139,6 +141,13 @@ def hybrid_attention(
                 return fn(q, k, v, window_logit, linear_logit, **kwargs)
             except NotImplementedError as exc:  # an option the kernel does not cover
                 _fall_back("", f"{exc}")
+    if backend in ("auto", "chunked") and cpu_prefill.covers(q, k, window, formulation, key_padding_mask):
+        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+        done = cpu_prefill.hybrid_attention_cpu(q, k, v, window_logit, linear_logit, window=window,
+                                                formulation=formulation, feature_map=feature_map,
+                                                output_final_state=output_final_state)
+        if done is not None:
+            return done
     from .chunked import hybrid_attention_chunked
 
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a

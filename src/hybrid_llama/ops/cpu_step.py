@@ -1,11 +1,8 @@
-"""The in-place decode step as one native call on the CPU (``cpu_step.c``, through ctypes).
+"""The in-place decode step as one native call on the CPU (``cpu_kernels.c``'s ``hybrid_step_f32``).
 
 The torch step (``decode._step_in_place``) is about 20 small ops per layer and token; inside a model
 each runs cold, so the step costs its op count rather than its arithmetic. The C kernel does the same
-step in one call. It is compiled on first use with the system's C compiler (``$CC``, else ``cc``) and
-kept under ``$HYBRID_LLAMA_KERNEL_CACHE`` (default ``~/.cache/hybrid_llama/kernels``), keyed by the
-source, the flags and this CPU, so a cluster node never loads a build made for another CPU. Without a
-compiler, or with ``HYBRID_LLAMA_NATIVE_STEP=0``, the torch step runs instead (logged once).
+step in one call (built and loaded by ``native``; without it the torch step runs).
 
 Covered: fp32 contiguous CPU tensors, elu1 or Hedgehog (query map per query head, key map per KV
 head), the three formulations, any batch and GQA, while every key in the window is real. The caller
@@ -14,108 +11,18 @@ checks that; the torch step is the reference it is tested against.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from . import native
 from .decode import check_step_shapes
 from .feature_maps import HedgehogFeatureMap, elu1
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_step.c")
-FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
-FORMULATION_CODES = {"hybrid": 0, "lolcats": 1, "window": 2}
-MAX_D, MAX_F, MAX_W = 256, 1024, 4096  # the kernel's stack scratch (cpu_step.c)
-
-_library: ctypes.CDLL | None = None
-_why_not: str | None = None  # set once loading failed: the reason, logged once
+from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
 
 
-def enabled() -> bool:
-    return os.environ.get("HYBRID_LLAMA_NATIVE_STEP", "1") != "0"
-
-
-def _cpu_fingerprint() -> str:
-    """What a ``-march=native`` build depends on: the machine and, on Linux, the CPU's feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}|{platform.processor()}|{flags}"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("HYBRID_LLAMA_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "hybrid_llama" / "kernels"
-
-
-def _compile(target: Path) -> None:
-    """Build the shared library into ``target``: written to a temporary name and renamed, so parallel
-    jobs (Snakemake runs several) never load a half-written file. ``-march=native`` first, then
-    without it for compilers that reject it."""
-    cc = os.environ.get("CC", "cc")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    errors = []
-    try:
-        for arch in (("-march=native",), ()):
-            cmd = [cc, *FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                return
-            errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[-500:]}")
-        raise RuntimeError("; ".join(errors))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def library_path() -> Path:
-    """Where this source, these flags and this CPU's build lives (built or not)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
-    return _cache_dir() / f"cpu_step-{key}.so"
-
-
-def load() -> ctypes.CDLL | None:
-    """The kernel library (compiled on first use), or None when it cannot be had (reason logged once)."""
-    global _library, _why_not
-    if _library is not None or _why_not is not None:
-        return _library
-    try:
-        path = library_path()
-        if not path.exists():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
-        fn = lib.hybrid_step_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_longlong, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 15
-        _library = lib
-    except Exception as exc:  # no compiler, read-only cache, foreign platform...
-        _why_not = f"{type(exc).__name__}: {exc}"
-        logger.warning("hybrid_attention_step: the native CPU step is unavailable, using the torch step (%s)", _why_not)
-    return _library
-
-
-def _map_parameters(fmap, heads: int, D: int) -> tuple[Tensor, Tensor] | None:
+def map_parameters(fmap, heads: int, D: int) -> tuple[Tensor, Tensor] | None:
     """A Hedgehog map's ``(W [heads, D, F/2], b [heads, 1, F/2])`` as the kernel reads them, or None."""
     if not isinstance(fmap, HedgehogFeatureMap) or fmap.num_heads != heads or fmap.head_dim != D:
         return None
@@ -164,7 +71,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
     if phi_q_map is elu1 and phi_k_map is elu1:
         fmap, maps = 0, ()
     else:
-        qmap, kmap = _map_parameters(phi_q_map, H, D), _map_parameters(phi_k_map, Hk, D)
+        qmap, kmap = map_parameters(phi_q_map, H, D), map_parameters(phi_k_map, Hk, D)
         if qmap is None or kmap is None or qmap[0].shape[2] * 2 != F:
             return None
         fmap, maps = 1, (*qmap, *kmap)
@@ -203,7 +110,7 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
     """Run the step natively, updating ``state`` in place; None when the kernel does not cover these
     arguments (the caller then runs the torch step). The caller guarantees: no autograd, the new key
     real, every key in the window real."""
-    if not enabled():
+    if not native.enabled():
         return None
     call = state.__dict__.get("_native_step")
     if call is None or not _still_valid(call, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
@@ -214,7 +121,7 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy for a model's one-token q, k, v
     if q.shape != call.q_shape or k.shape != call.kv_shape or v.shape != call.kv_shape or not _fp32_cpu(q, k, v):
         return None
-    lib = load()
+    lib = native.load()
     if lib is None:
         return None
     out = torch.empty_like(q)

@@ -1,0 +1,567 @@
+/* Hybrid attention's native CPU kernels, fp32, plain C99 (no torch headers), loaded through ctypes
+ * (ops/native.py builds and loads them; ops/cpu_step.py and ops/cpu_prefill.py call them).
+ *
+ * hybrid_step_f32: one decode step, in place: the whole of ops/decode.py's in-place path (fold the
+ * key leaving the window into S and z, write the new key and value into the ring, window softmax,
+ * feature map, linear readout, mix) as one call. The torch step issues about 20 small ops per layer
+ * and token, and inside a model each of them runs cold (the other layers evicted its code and data),
+ * so the step costs its op count, not its arithmetic.
+ *
+ * hybrid_prefill_f32: the parallel op over a range of positions, as the recurrence: per position,
+ * fold the key leaving the window into S and z, then each query head's window softmax (the keys
+ * read in place) and linear readout. Every intermediate is one position's (the scores, S and z of
+ * one KV head stay in L1), where the chunked torch backend streams block-sized tensors through
+ * memory for each of its ~30 ops; and it does only the op's own FLOPs (no masked half-blocks).
+ *
+ * Step preconditions (checked by the caller): every tensor contiguous fp32 on the CPU, the new key
+ * real, and every key already in the window real. Layouts, per batch row b:
+ *   q [B, H, D]; k, v [B, Hk, D]; k_win, v_win [B, Hk, w, D]; valid [B, w] (bytes);
+ *   S [B, Hk, F, D]; z [B, Hk, F]; window and linear logits [H]; out [B, H, D];
+ *   Hedgehog maps: wq [H, D, F/2], bq [H, F/2], wk [Hk, D, F/2], bk [Hk, F/2].
+ * Query head h reads KV head h / (H / Hk).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { FORM_HYBRID = 0, FORM_LOLCATS = 1, FORM_WINDOW = 2 };
+enum { MAP_ELU1 = 0, MAP_HEDGEHOG = 1 };
+/* Scratch lives on the stack (no allocation per step); these bound it for any thread's stack. */
+enum { MAX_D = 256, MAX_F = 1024, MAX_W = 4096, MAX_G = 64 };  /* MAX_G: query heads per KV head (prefill) */
+
+/* exp(x) for x <= 0 (every argument here is shifted by its maximum): 2^n * p(r) with
+ * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial (relative error about 2e-7). Branch-free, so
+ * the loops that call it vectorize; below -87 the result is 0 (fp32 underflow). */
+static inline float exp_nonpos(float x) {
+    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * ln2_hi - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t i; float f; } two_n;
+    two_n.i = (uint32_t)((int32_t)n + 127) << 23;
+    return p * two_n.f;
+}
+
+enum { TILE = 64, QB = 16 };  /* key/value tile; positions per block */
+/* A TILE-wide accumulator as four GCC/Clang vectors of 16 floats: kept in registers (arrays were
+ * spilled to the stack around every FMA); the compiler splits them for narrower SIMD. */
+typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));  /* unaligned loads of float rows */
+typedef struct { vec16 x[4]; } tile_t;
+
+static inline vec16 splat(float a) { return (vec16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
+
+/* acc += a * row[0 .. TILE) */
+static inline void tile_fma(tile_t *acc, float a, const float *row) {
+    const vec16 s = splat(a);
+    const vec16 *r = (const vec16 *)row;
+    acc->x[0] += s * r[0];
+    acc->x[1] += s * r[1];
+    acc->x[2] += s * r[2];
+    acc->x[3] += s * r[3];
+}
+
+/* A row of scores: whole tiles, and 16 lanes past the window for the vector exp. */
+static inline int prefill_scores_stride(int w) { return (w + TILE - 1) / TILE * TILE + 16; }
+
+/* Columns of the transposed-key buffer: a window and a block, then room to append before sliding
+ * (a slide moves the window's w columns back to the start), and a tile's reach past the last key. */
+static inline int prefill_key_columns(int w) { return 4 * (w + QB) + TILE; }
+
+static inline void tile_store(float *dst, const tile_t *acc) { memcpy(dst, acc->x, sizeof acc->x); }
+
+static inline tile_t tile_add(tile_t a, const tile_t *b) {
+    for (int i = 0; i < 4; i++) a.x[i] += b->x[i];
+    return a;
+}
+
+/* dst[m][0 .. TILE) = scale * sum_i weights[m][i] * rows[i * ld .. + TILE) for G = 1 .. 4 weight
+ * vectors over the same n rows: each row is loaded once for all G (the query heads of one KV head
+ * share their keys, values and S). Inlined per constant G, so the G tiles stay in registers; G = 1
+ * splits its sum in two for independent FMA chains. */
+static inline __attribute__((always_inline)) void rows_times(const int G, int n, const float *const *weights,
+                                                             const float *rows, long long ld, float scale,
+                                                             float *const *dst) {
+    tile_t acc[4], odd;
+    memset(acc, 0, sizeof acc);
+    memset(&odd, 0, sizeof odd);
+    int i = 0;
+    if (G == 1) {
+        for (; i + 1 < n; i += 2) {
+            tile_fma(&acc[0], weights[0][i] * scale, rows + i * ld);
+            tile_fma(&odd, weights[0][i + 1] * scale, rows + (i + 1) * ld);
+        }
+        acc[0] = tile_add(acc[0], &odd);
+    }
+    for (; i < n; i++) {
+        const vec16 *r = (const vec16 *)(rows + i * ld);
+        const vec16 r0 = r[0], r1 = r[1], r2 = r[2], r3 = r[3];
+        for (int m = 0; m < G; m++) {
+            const vec16 a = splat(weights[m][i] * scale);
+            acc[m].x[0] += a * r0;
+            acc[m].x[1] += a * r1;
+            acc[m].x[2] += a * r2;
+            acc[m].x[3] += a * r3;
+        }
+    }
+    for (int m = 0; m < G; m++) tile_store(dst[m], &acc[m]);
+}
+
+/* rows_times for any number of weight vectors, in groups of up to four. */
+static void rows_times_all(int g, int n, const float *const *weights, const float *rows, long long ld, float scale,
+                           float *const *dst) {
+    for (int m = 0; m < g; m += 4) {
+        switch (g - m < 4 ? g - m : 4) {
+            case 1: rows_times(1, n, weights + m, rows, ld, scale, dst + m); break;
+            case 2: rows_times(2, n, weights + m, rows, ld, scale, dst + m); break;
+            case 3: rows_times(3, n, weights + m, rows, ld, scale, dst + m); break;
+            default: rows_times(4, n, weights + m, rows, ld, scale, dst + m); break;
+        }
+    }
+}
+
+typedef int32_t vec16i __attribute__((vector_size(64)));
+
+/* The sum of 16 lanes, pairwise (a chain of 16 scalar adds was a tenth of the prefill's time). */
+static inline float lane_sum(vec16 x) {
+    float l[16];
+    memcpy(l, &x, sizeof l);
+    for (int half = 8; half >= 1; half /= 2)
+        for (int i = 0; i < half; i++) l[i] += l[i + half];
+    return l[0];
+}
+
+/* exp_nonpos on 16 lanes (the scalar version's loop did not vectorize): the same range reduction
+ * and polynomial, n rounded with the 1.5 * 2^23 trick. */
+static inline vec16 exp_nonpos16(vec16 x) {
+    const vec16 round = splat(12582912.0f);
+    {  /* x = max(x, -87) by a lane mask (the vector ternary is C++ only) */
+        const vec16 lo = splat(-87.0f);
+        const vec16i below = x < lo;
+        vec16i xi, loi;
+        memcpy(&xi, &x, sizeof x);
+        memcpy(&loi, &lo, sizeof lo);
+        xi = (below & loi) | (~below & xi);
+        memcpy(&x, &xi, sizeof x);
+    }
+    const vec16 n = (x * splat(1.44269504088896341f) + round) - round;
+    const vec16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vec16 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const vec16i bits = (__builtin_convertvector(n, vec16i) + 127) << 23;
+    vec16 two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* phi(x) [F] of one D-vector: elu(x) + 1 (F = D), or Hedgehog's softmax(xW + b) ++ softmax(-(xW + b))
+ * with W [D, F/2] row-major (F = 2 * F/2). Sizes that are whole tiles (the usual D = 64, F/2 = 64) run
+ * on register tiles; others on plain loops. */
+static void feature_map(int map, int D, int F, const float *x, const float *W, const float *bias, float *phi) {
+    if (map == MAP_ELU1) {
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            vec16 xv;
+            memcpy(&xv, x + d, sizeof xv);
+            const vec16 e = exp_nonpos16(xv), one = xv + splat(1.0f);
+            const vec16i pos = xv > splat(0.0f);
+            vec16i ei, oi;
+            memcpy(&ei, &e, sizeof e);
+            memcpy(&oi, &one, sizeof one);
+            ei = (pos & oi) | (~pos & ei);
+            memcpy(phi + d, &ei, sizeof ei);
+        }
+        for (; d < D; d++) phi[d] = x[d] > 0.0f ? x[d] + 1.0f : exp_nonpos(x[d]);
+        return;
+    }
+    const int Fh = F / 2;
+    float *proj = phi;  /* xW + b in the first half, then both halves overwritten below */
+    int f0 = 0;
+    for (; f0 + TILE <= Fh; f0 += TILE) {
+        tile_t acc;
+        memcpy(acc.x, bias + f0, sizeof acc.x);
+        for (int d = 0; d < D; d++) tile_fma(&acc, x[d], W + (size_t)d * Fh + f0);
+        tile_store(proj + f0, &acc);
+    }
+    if (f0 < Fh) {
+        memcpy(proj + f0, bias + f0, sizeof(float) * (Fh - f0));
+        for (int d = 0; d < D; d++) {
+            const float xd = x[d];
+            const float *row = W + (size_t)d * Fh;
+            #pragma omp simd
+            for (int f = f0; f < Fh; f++) proj[f] += xd * row[f];
+        }
+    }
+    float hi = proj[0], lo = proj[0];
+    for (int f = 1; f < Fh; f++) {
+        hi = proj[f] > hi ? proj[f] : hi;
+        lo = proj[f] < lo ? proj[f] : lo;
+    }
+    float sum_pos = 0.0f, sum_neg = 0.0f;
+    int f = 0;
+    if (Fh % 16 == 0) {
+        vec16 sp = splat(0.0f), sn = splat(0.0f);
+        for (; f < Fh; f += 16) {
+            vec16 pv;
+            memcpy(&pv, proj + f, sizeof pv);
+            const vec16 ep = exp_nonpos16(pv - splat(hi)), en = exp_nonpos16(splat(lo) - pv);
+            memcpy(phi + f, &ep, sizeof ep);
+            memcpy(phi + Fh + f, &en, sizeof en);
+            sp += ep;
+            sn += en;
+        }
+        sum_pos = lane_sum(sp);
+        sum_neg = lane_sum(sn);
+    }
+    for (; f < Fh; f++) {
+        const float p = proj[f];
+        const float e_pos = exp_nonpos(p - hi), e_neg = exp_nonpos(lo - p);
+        phi[f] = e_pos;
+        phi[Fh + f] = e_neg;
+        sum_pos += e_pos;
+        sum_neg += e_neg;
+    }
+    const float inv_pos = 1.0f / sum_pos, inv_neg = 1.0f / sum_neg;
+    #pragma omp simd
+    for (int i = 0; i < Fh; i++) {
+        phi[i] *= inv_pos;
+        phi[Fh + i] *= inv_neg;
+    }
+}
+
+/* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step). */
+int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
+                    const float *q, const float *k, const float *v, float *k_win, float *v_win,
+                    unsigned char *valid, float *S, float *z, const float *window_logit, const float *linear_logit,
+                    const float *wq, const float *bq, const float *wk, const float *bk, float *out) {
+    if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || w > MAX_W || F < 1 || F > MAX_F)
+        return -1;
+    if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
+        return -1;
+    const int g = H / Hk;
+    const int slot = (int)(seen % w);
+    const int folds = seen >= w;           /* position seen - w leaves the window now */
+    const int n = seen + 1 < w ? (int)(seen + 1) : w; /* keys in the window after the write: slots 0..n-1 */
+    const int linear = folds && formulation != FORM_WINDOW;
+    const float scale = 1.0f / sqrtf((float)D);
+    float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D]; /* 21 KB of stack at most */
+
+    for (int bi = 0; bi < B; bi++) {
+        valid[(size_t)bi * w + slot] = 1;
+        for (int kh = 0; kh < Hk; kh++) {
+            const size_t head = (size_t)bi * Hk + kh;
+            float *K = k_win + head * w * D, *V = v_win + head * w * D;
+            float *Sh = S + head * F * D, *zh = z + head * F;
+            if (folds) {
+                feature_map(map, D, F, K + (size_t)slot * D, wk + (size_t)kh * D * (F / 2), bk + (size_t)kh * (F / 2),
+                            phi);
+                const float *vo = V + (size_t)slot * D;
+                for (int f = 0; f < F; f++) {
+                    const float pf = phi[f];
+                    float *row = Sh + (size_t)f * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) row[d] += pf * vo[d];
+                    zh[f] += pf;
+                }
+            }
+            memcpy(K + (size_t)slot * D, k + head * D, sizeof(float) * D);
+            memcpy(V + (size_t)slot * D, v + head * D, sizeof(float) * D);
+
+            for (int j = 0; j < g; j++) {
+                const int h = kh * g + j;
+                const float *qh = q + ((size_t)bi * H + h) * D;
+                float *o = out + ((size_t)bi * H + h) * D;
+                float top = -INFINITY;
+                for (int i = 0; i < n; i++) {
+                    const float *ki = K + (size_t)i * D;
+                    float s = 0.0f;
+                    #pragma omp simd reduction(+ : s)
+                    for (int d = 0; d < D; d++) s += qh[d] * ki[d];
+                    scores[i] = s * scale;
+                    top = scores[i] > top ? scores[i] : top;
+                }
+                float win_sum = 0.0f;
+                #pragma omp simd reduction(+ : win_sum)
+                for (int i = 0; i < n; i++) {
+                    scores[i] = exp_nonpos(scores[i] - top);
+                    win_sum += scores[i];
+                }
+                memset(acc, 0, sizeof(float) * D);  /* sum_i exp(s_i - top) v_i */
+                for (int i = 0; i < n; i++) {
+                    const float e = scores[i];
+                    const float *vi = V + (size_t)i * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) acc[d] += e * vi[d];
+                }
+                if (!linear) {  /* softmax over the window: no key has left it, or the window-only control */
+                    const float inv = 1.0f / win_sum;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+                    continue;
+                }
+                feature_map(map, D, F, qh, wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), phi);
+                memset(num, 0, sizeof(float) * D);  /* phi(q) S */
+                float den = 0.0f;                   /* phi(q) . z */
+                for (int f = 0; f < F; f++) {
+                    const float pf = phi[f];
+                    const float *row = Sh + (size_t)f * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) num[d] += pf * row[d];
+                    den += pf * zh[f];
+                }
+                /* lolcats: the window's unnormalised exp-scores share the normalizer with the linear
+                 * part; hybrid: the window enters as its softmax average with normalizer a. */
+                const float wa = 1.0f / (1.0f + expf(-window_logit[h]));  /* sigmoid: the mixing weights */
+                const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
+                const float win_weight = formulation == FORM_LOLCATS ? wa : wa / win_sum;
+                const float inv = 1.0f / (formulation == FORM_LOLCATS ? wa * win_sum + wb * den : wa + wb * den);
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + wb * num[d]) * inv;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Positions t0 .. t1-1 of the parallel op (every key real), any formulation, elu1 or Hedgehog maps
+ * (weights as for hybrid_step_f32). On entry S [B, Hk, F, D] and z [B, Hk, F] hold the sums over the
+ * keys 0 .. t0-w-1 (those that left the window before t0); on return over 0 .. t1-w-1. q, k, v and
+ * out are strided: their strides in elements for (batch, head, position) follow each pointer, the
+ * last dim contiguous (q, out [B, H, T, D]; k, v [B, Hk, T, D]). wa, wb [H]: the mixing weights
+ * (sigmoids of the logits). work: hybrid_prefill_workspace(g, w, D) floats of this call's own.
+ *
+ * Positions go in blocks of QB, in three passes that each stream one data set that fits in L1 (the
+ * keys, the values, then S): one pass over all three overflowed it. The window's keys are kept
+ * transposed in a sliding buffer of the workspace, so a query's scores are D vector updates over
+ * TILE consecutive keys; every inner loop runs on TILE-wide register tiles, hence D % TILE == 0.
+ * The g query heads of a KV head go together (rows_times), so each key, value and S row is loaded
+ * once for all of them; the keys leaving the window are folded into S once per block (pass 3).
+ * Sizes are checked by hybrid_prefill_f32. */
+long long hybrid_prefill_workspace(int g, int w, int D);
+
+static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formulation, int map,
+                            long long t0, long long t1,
+                            const float *q, long long q_b, long long q_h, long long q_t,
+                            const float *k, long long k_b, long long k_h, long long k_t,
+                            const float *v, long long v_b, long long v_h, long long v_t,
+                            const float *wq, const float *bq, const float *wk, const float *bk,
+                            const float *wa, const float *wb, float *S, float *z,
+                            float *out, long long o_b, long long o_h, long long o_t, float *work) {
+    const int g = H / Hk;
+    const int linear = formulation != FORM_WINDOW;
+    const float scale = 1.0f / sqrtf((float)D);
+    const int stride = prefill_scores_stride(w);
+    const int cols = prefill_key_columns(w);
+    float *scores = work;                                 /* [QB * g, stride] exp-scores */
+    float *sums = scores + (size_t)QB * g * stride;       /* [QB * g] window sums */
+    float *avg = sums + (size_t)QB * g;                   /* [QB * g, D] sum_i exp(s_i - top) v_i */
+    float *keys = avg + (size_t)QB * g * D;               /* [D, cols] keys base .. base+filled-1, transposed */
+    float *phi_q = keys + (size_t)D * cols;               /* [g, F] phi(q) of one position */
+    float *phi_k = phi_q + (size_t)g * F;                 /* [QB, F] phi(k) of the keys a block folds */
+    float *num = phi_k + (size_t)QB * F;                  /* [g, D] phi(q) S */
+    const float *heads_in[MAX_G];                         /* per query head of the group: a weight row */
+    float *heads_out[MAX_G];                              /* and where its tile goes */
+
+    for (int bi = 0; bi < B; bi++) {
+        for (int kh = 0; kh < Hk; kh++) {
+            const size_t head = (size_t)bi * Hk + kh;
+            const float *K = k + bi * k_b + kh * k_h;
+            const float *V = v + bi * v_b + kh * v_h;
+            const float *wkh = wk + (size_t)kh * D * (F / 2), *bkh = bk + (size_t)kh * (F / 2);
+            float *Sh = S + head * (size_t)F * D, *zh = z + head * (size_t)F;
+            long long base = t0 - w + 1 > 0 ? t0 - w + 1 : 0, filled = 0;
+            for (long long tb = t0; tb < t1; tb += QB) {
+                const int nb = t1 - tb < QB ? (int)(t1 - tb) : QB;
+                const long long first = tb - w + 1 > 0 ? tb - w + 1 : 0, end = tb + nb;  /* keys needed */
+                if (end - base > cols - TILE) {  /* slide: keep the keys from `first` on at column 0 */
+                    const long long keep = base + filled - first;
+                    for (int d = 0; d < D; d++)
+                        memmove(keys + (size_t)d * cols, keys + (size_t)d * cols + (first - base), sizeof(float) * keep);
+                    base = first;
+                    filled = keep;
+                }
+                for (int d = 0; d < D; d++) {  /* transpose the new keys in (row by row: contiguous stores) */
+                    float *row = keys + (size_t)d * cols - base;
+                    for (long long j = base + filled; j < end; j++) row[j] = K[j * k_t + d];
+                }
+                filled = end - base;
+                for (int b = 0; b < nb; b++) {  /* 1. window scores of the g query heads, then exponents */
+                    const long long t = tb + b;
+                    const long long j0 = t - w + 1 > 0 ? t - w + 1 : 0;
+                    const int n = (int)(t - j0 + 1);  /* keys j0 .. t */
+                    for (int m = 0; m < g; m++) {
+                        heads_in[m] = q + bi * q_b + (kh * g + m) * q_h + t * q_t;
+                        heads_out[m] = scores + (size_t)(b * g + m) * stride;
+                    }
+                    for (int c = 0; c < n; c += TILE) {  /* keys j0+c .. +TILE (past t: never read) */
+                        rows_times_all(g, D, heads_in, keys + (j0 - base) + c, cols, scale, heads_out);
+                        for (int m = 0; m < g; m++) heads_out[m] += TILE;
+                    }
+                    for (int m = 0; m < g; m++) {
+                        float *sc = scores + (size_t)(b * g + m) * stride;
+                        float top = sc[0];
+                        #pragma omp simd reduction(max : top)
+                        for (int i = 1; i < n; i++) top = sc[i] > top ? sc[i] : top;
+                        for (int i = n; i < n + 16; i++) sc[i] = -INFINITY;  /* lanes past n: exp ~ 0, unread */
+                        vec16 acc16 = splat(0.0f);
+                        for (int i = 0; i < n; i += 16) {
+                            vec16 e;
+                            memcpy(&e, sc + i, sizeof e);
+                            e = exp_nonpos16(e - splat(top));
+                            memcpy(sc + i, &e, sizeof e);
+                            acc16 += e;
+                        }
+                        sums[b * g + m] = lane_sum(acc16);
+                    }
+                }
+                for (int b = 0; b < nb; b++) {  /* 2. the exp-weighted sums of the window's values */
+                    const long long t = tb + b;
+                    const long long j0 = t - w + 1 > 0 ? t - w + 1 : 0;
+                    for (int d0 = 0; d0 < D; d0 += TILE) {
+                        for (int m = 0; m < g; m++) {
+                            heads_in[m] = scores + (size_t)(b * g + m) * stride;
+                            heads_out[m] = avg + (size_t)(b * g + m) * D + d0;
+                        }
+                        rows_times_all(g, (int)(t - j0 + 1), heads_in, V + j0 * v_t + d0, v_t, 1.0f, heads_out);
+                    }
+                }
+                /* 3. the linear part. The keys leaving the window in this block are tb-w .. tb+nb-1-w;
+                 * S stays as it was at the block's start (S0) until they are folded in at its end, and
+                 * query t adds the ones before it itself: phi(q) S_t = phi(q) S0 + sum_j (phi(q).phi(k_j)) v_j.
+                 * One rank-nb update per block instead of nb rank-1 updates, each storing all of S. */
+                const long long lo = tb - w > 0 ? tb - w : 0, hi = linear ? tb + nb - w : 0;  /* folded keys [lo, hi) */
+                const int folds = hi > lo ? (int)(hi - lo) : 0;
+                for (int j = 0; j < folds; j++)
+                    feature_map(map, D, F, K + (lo + j) * k_t, wkh, bkh, phi_k + (size_t)j * F);
+                for (int b = 0; b < nb; b++) {
+                    const long long t = tb + b;
+                    const int mixes = linear && t >= w;  /* else softmax: the control, or no key has left */
+                    const int before = mixes ? (int)(t - w - lo + 1) : 0;  /* block keys j < before precede t */
+                    if (mixes) {
+                        for (int m = 0; m < g; m++) {
+                            const int h = kh * g + m;
+                            feature_map(map, D, F, q + bi * q_b + h * q_h + t * q_t, wq + (size_t)h * D * (F / 2),
+                                        bq + (size_t)h * (F / 2), phi_q + (size_t)m * F);
+                        }
+                        for (int d0 = 0; d0 < D; d0 += TILE) {  /* phi(q) S0 */
+                            for (int m = 0; m < g; m++) {
+                                heads_in[m] = phi_q + (size_t)m * F;
+                                heads_out[m] = num + (size_t)m * D + d0;
+                            }
+                            rows_times_all(g, F, heads_in, Sh + d0, D, 1.0f, heads_out);
+                        }
+                    }
+                    for (int m = 0; m < g; m++) {
+                        const int h = kh * g + m;
+                        const float *acc = avg + (size_t)(b * g + m) * D;
+                        const float win_sum = sums[b * g + m];
+                        float *o = out + bi * o_b + h * o_h + t * o_t;
+                        if (!mixes) {
+                            const float inv = 1.0f / win_sum;
+                            #pragma omp simd
+                            for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+                            continue;
+                        }
+                        const float *pq = phi_q + (size_t)m * F;
+                        float *nm = num + (size_t)m * D;
+                        float den = 0.0f;  /* phi(q) . z0 */
+                        #pragma omp simd reduction(+ : den)
+                        for (int f = 0; f < F; f++) den += pq[f] * zh[f];
+                        for (int j = 0; j < before; j++) {  /* the block's keys that left before t */
+                            const float *pk = phi_k + (size_t)j * F, *vj = V + (lo + j) * v_t;
+                            float c = 0.0f;
+                            #pragma omp simd reduction(+ : c)
+                            for (int f = 0; f < F; f++) c += pq[f] * pk[f];
+                            den += c;
+                            #pragma omp simd
+                            for (int d = 0; d < D; d++) nm[d] += c * vj[d];
+                        }
+                        /* as in hybrid_step_f32: lolcats shares one normalizer between the window's
+                         * unnormalised exp-scores and the linear part; hybrid mixes the softmax average. */
+                        const float a = wa[h], bw = wb[h];
+                        const float win_weight = formulation == FORM_LOLCATS ? a : a / win_sum;
+                        const float inv = 1.0f / (formulation == FORM_LOLCATS ? a * win_sum + bw * den : a + bw * den);
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + bw * nm[d]) * inv;
+                    }
+                }
+                for (int f = 0; f < F; f++) {  /* fold the block's keys: S += phi(K)^T V, z += sum phi(K) */
+                    for (int d0 = 0; d0 < D; d0 += TILE) {
+                        tile_t row;
+                        memcpy(row.x, Sh + (size_t)f * D + d0, sizeof row.x);
+                        for (int j = 0; j < folds; j++) tile_fma(&row, phi_k[(size_t)j * F + f], V + (lo + j) * v_t + d0);
+                        tile_store(Sh + (size_t)f * D + d0, &row);
+                    }
+                }
+                for (int j = 0; j < folds; j++) {
+                    const float *pk = phi_k + (size_t)j * F;
+                    #pragma omp simd
+                    for (int f = 0; f < F; f++) zh[f] += pk[f];
+                }
+            }
+        }
+    }
+}
+
+/* The parallel op over positions 0 .. T-1 in `segments` segments [bounds[s], bounds[s+1]), one per
+ * OpenMP thread (torch's own pool: this library links the libgomp torch has loaded, so the threads
+ * that just ran the layer's projections take the segments, instead of spinning beside them). Segment
+ * s reads and updates S + s * B*Hk*F*D and z + s * B*Hk*F, which hold on entry the sums over the keys
+ * 0 .. bounds[s]-w-1 (the caller computes them), and its own workspace, work + s * work_stride
+ * (>= hybrid_prefill_workspace floats). Returns 0, or -1 for arguments it does not cover. */
+int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, int formulation, int map,
+                       int segments, const long long *bounds,
+                       const float *q, long long q_b, long long q_h, long long q_t,
+                       const float *k, long long k_b, long long k_h, long long k_t,
+                       const float *v, long long v_b, long long v_h, long long v_t,
+                       const float *wq, const float *bq, const float *wk, const float *bk,
+                       const float *wa, const float *wb, float *S, float *z,
+                       float *out, long long o_b, long long o_h, long long o_t, float *work, long long work_stride) {
+    if (B < 1 || Hk < 1 || H % Hk || H / Hk > MAX_G || D < TILE || D > MAX_D || D % TILE || w < 1 || w > MAX_W
+        || F < 1 || F > MAX_F || formulation < FORM_HYBRID || formulation > FORM_WINDOW || segments < 1)
+        return -1;
+    if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
+        return -1;
+    if (bounds[0] != 0 || bounds[segments] != T || work_stride < hybrid_prefill_workspace(H / Hk, w, D))
+        return -1;
+    for (int s = 0; s < segments; s++)
+        if (bounds[s] > bounds[s + 1])
+            return -1;
+    const size_t S_size = (size_t)B * Hk * F * D, z_size = (size_t)B * Hk * F;
+    #pragma omp parallel for num_threads(segments) schedule(static, 1)
+    for (int s = 0; s < segments; s++)
+        prefill_segment(B, H, Hk, D, w, F, formulation, map, bounds[s], bounds[s + 1], q, q_b, q_h, q_t, k, k_b, k_h,
+                        k_t, v, v_b, v_h, v_t, wq, bq, wk, bk, wa, wb, S + s * S_size, z + s * z_size, out, o_b, o_h,
+                        o_t, work + s * work_stride);
+    return 0;
+}
+
+/* How many threads a parallel call may use: OpenMP's (torch's setting), or 1 in a build without it. */
+int hybrid_native_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Floats of the workspace hybrid_prefill_f32 needs per segment for g query heads per KV head (any F up
+ * to MAX_F). */
+long long hybrid_prefill_workspace(int g, int w, int D) {
+    return (long long)QB * g * (prefill_scores_stride(w) + 1 + D) + (long long)D * prefill_key_columns(w)
+           + (long long)g * (MAX_F + D) + (long long)QB * MAX_F;
+}

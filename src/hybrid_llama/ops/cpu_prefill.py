@@ -1,0 +1,133 @@
+"""The parallel op on the CPU as its recurrence in native code (``cpu_kernels.c``'s
+``hybrid_prefill_f32``), for inference.
+
+Per position the kernel folds the key that leaves the window into S and z, then computes each query
+head's window softmax over its w keys and its linear readout, feature maps included, in blocks of
+positions whose data stays in the L1 cache. It does the op's own FLOPs only (the chunked torch ops
+compute twice the window's, a band of each [w, 2w] block, and an intra-chunk product besides) and
+builds no intermediate tensor: q, k and v are read where they are (a model's views of [B, T, H, D]
+included) and the output is written straight into the ``[B, T, H, D]`` memory the layer's output
+projection reads.
+
+Threads: the positions are split into one segment per torch thread. A segment starts from the linear
+sums of the keys before it (one product per segment, computed here with torch), so the segments run
+at once, in one OpenMP loop of the kernel on torch's own thread pool (the build links the libgomp
+torch loaded; Python threads were tried: torch's idle OpenMP threads spin for milliseconds after
+each op and took a core from them). A build without OpenMP runs one segment.
+
+Covered: CPU tensors without autograd, no padding mask, head dim a multiple of 64 (the kernel's tile)
+up to 256, window up to 4096, any formulation, batch and GQA, elu1 or Hedgehog maps (query map per
+query head, key map per KV head). Anything else returns None and the caller runs the chunked torch
+ops, which are what the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from . import native
+from .cpu_step import map_parameters
+from .feature_maps import FeatureMap, elu1, resolve_qk_maps
+from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
+from .state import HybridState, prefill_state
+
+TILE = 64  # cpu_kernels.c: keys per score tile, and the head dim's granule
+MIN_SEGMENT = 256  # positions per thread below which one thread does it all
+
+def covers(q: Tensor, k: Tensor, window: int, formulation: str, key_padding_mask: Tensor | None) -> bool:
+    """Whether :func:`hybrid_attention_cpu` may take these arguments (cheap checks, before any work;
+    the feature map is checked there)."""
+    D = q.shape[-1]
+    return (native.enabled() and q.is_cpu and key_padding_mask is None and formulation in FORMULATION_CODES
+            and D % TILE == 0 and D <= MAX_D and 1 <= window <= MAX_W and not torch.is_grad_enabled()
+            and q.shape[2] > window)
+
+
+def _segments(T: int, threads: int) -> list[int]:
+    n = max(1, min(threads, T // MIN_SEGMENT))
+    return [T * i // n for i in range(n + 1)]
+
+
+def _rows(x: Tensor) -> Tensor:
+    """fp32 with a contiguous last dim (the kernel takes the other strides as they are)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _maps(feature_map: FeatureMap, H: int, Hk: int, D: int) -> tuple[int, tuple, int] | None:
+    """``(map code, (wq, bq, wk, bk), F)`` as the kernel reads the maps, or None for other maps."""
+    phi_q, phi_k = resolve_qk_maps(feature_map)
+    if phi_q is elu1 and phi_k is elu1:
+        return 0, (None,) * 4, D
+    qmap, kmap = map_parameters(phi_q, H, D), map_parameters(phi_k, Hk, D)
+    if qmap is None or kmap is None or qmap[0].shape[2] != kmap[0].shape[2]:
+        return None
+    return 1, (*(t.detach() for t in qmap), *(t.detach() for t in kmap)), 2 * qmap[0].shape[2]
+
+
+def hybrid_attention_cpu(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int,
+    formulation: str,
+    feature_map: FeatureMap,
+    output_final_state: bool,
+) -> tuple[Tensor, HybridState | None] | None:
+    """``(o, final_state)`` as the other backends give them, or None where the kernel does not apply
+    (:func:`covers`, checked by the caller; other feature maps; no compiler). Inputs already checked
+    (``check_inputs``)."""
+    B, H, T, D = q.shape
+    Hk, w = k.shape[1], window
+    maps = _maps(feature_map, H, Hk, D)
+    lib = native.load()
+    if maps is None or lib is None:
+        return None
+    map_code, weights, F = maps
+    if F > MAX_F:
+        return None
+    q32, k32, v32 = _rows(q), _rows(k), _rows(v)
+    wa = torch.sigmoid(window_logit.detach().float()).contiguous()
+    wb = torch.sigmoid(linear_logit.detach().float()).contiguous()
+    out = q32.new_empty(B, T, H, D).transpose(1, 2)  # the layer reads [B, T, H * D]: no copy there
+
+    bounds = _segments(T, min(torch.get_num_threads(), lib.hybrid_native_threads()))
+    n = len(bounds) - 1
+    # Segment s starts from [S | z] over the keys 0 .. bounds[s]-w-1: prefix sums of one product each.
+    S = q32.new_zeros(n, B, Hk, F, D)
+    z = q32.new_zeros(n, B, Hk, F)
+    linear = formulation != "window"
+    if linear and n > 1:
+        phi_k = resolve_qk_maps(feature_map)[1]
+        for s in range(1, n):
+            lo, hi = max(bounds[s - 1] - w, 0), max(bounds[s] - w, 0)
+            keys = phi_k(k32[:, :, lo:hi])
+            torch.add(S[s - 1], keys.transpose(-1, -2) @ v32[:, :, lo:hi], out=S[s])
+            torch.add(z[s - 1], keys.sum(dim=2), out=z[s])
+    stride = lib.hybrid_prefill_workspace(H // Hk, w, D)
+    work = q32.new_empty(n, stride)
+    pointers = tuple(None if t is None else t.data_ptr() for t in weights)
+    code = lib.hybrid_prefill_f32(
+        B, H, Hk, T, D, w, F, FORMULATION_CODES[formulation], map_code, n, (ctypes.c_longlong * (n + 1))(*bounds),
+        q32.data_ptr(), *_strides(q32), k32.data_ptr(), *_strides(k32), v32.data_ptr(), *_strides(v32),
+        *pointers, wa.data_ptr(), wb.data_ptr(), S.data_ptr(), z.data_ptr(),
+        out.data_ptr(), *_strides(out), work.data_ptr(), stride,
+    )
+    if code != 0:
+        return None
+    final_state = None
+    if output_final_state:
+        # The last segment ends with the sums over the keys 0 .. T-1-w: the decode state's.
+        final_state = prefill_state(k, v, window=window, feature_map=feature_map,
+                                    linear_sums=(S[-1], z[-1]) if linear else None)
+    return out.to(q.dtype), final_state
