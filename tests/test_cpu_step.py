@@ -7,22 +7,12 @@ import logging
 
 import pytest
 import torch
+from op_inputs import trained_maps
 
-from hybrid_llama.ops import HedgehogFeatureMap, cpu_step, hybrid_attention, hybrid_attention_step, init_state, native
+from hybrid_llama.ops import cpu_step, hybrid_attention, hybrid_attention_step, init_state, native
 from hybrid_llama.ops.state import prefill_state
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
-
-
-def trained_maps(H: int, Hk: int, D: int, seed: int = 3) -> tuple[HedgehogFeatureMap, HedgehogFeatureMap]:
-    """Hedgehog maps away from their identity start, so W and b matter."""
-    g = torch.Generator().manual_seed(seed)
-    maps = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
-    with torch.no_grad():
-        for m in maps:
-            m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
-            m.bias.add_(0.5 * torch.randn(m.bias.shape, generator=g))
-    return maps
 
 
 def problem(B, H, Hk, T, D, fmap, seed=5):

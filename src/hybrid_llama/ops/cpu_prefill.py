@@ -1,9 +1,10 @@
 """The parallel op on the CPU as its recurrence in native code (``cpu_kernels.c``'s
 ``hybrid_prefill_f32``), for inference.
 
-Per position the kernel folds the key that leaves the window into S and z, then computes each query
-head's window softmax over its w keys and its linear readout, feature maps included, in blocks of
-positions whose data stays in the L1 cache. It does the op's own FLOPs only (the chunked torch ops
+Per position the kernel computes each query head's window softmax over its w keys and its linear
+readout phi(q) S, feature maps included, in blocks of 16 positions whose data stays in the L1 cache;
+the keys leaving the window are folded into S and z once per block (each query adds the block's
+keys before it itself). It does the op's own FLOPs only (the chunked torch ops
 compute twice the window's, a band of each [w, 2w] block, and an intra-chunk product besides) and
 builds no intermediate tensor: q, k and v are read where they are (a model's views of [B, T, H, D]
 included) and the output is written straight into the ``[B, T, H, D]`` memory the layer's output
@@ -36,6 +37,7 @@ from .state import HybridState, prefill_state
 
 TILE = 64  # cpu_kernels.c: keys per score tile, and the head dim's granule
 MIN_SEGMENT = 256  # positions per thread below which one thread does it all
+
 
 def covers(q: Tensor, k: Tensor, window: int, formulation: str, key_padding_mask: Tensor | None) -> bool:
     """Whether :func:`hybrid_attention_cpu` may take these arguments (cheap checks, before any work;

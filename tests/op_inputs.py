@@ -1,0 +1,19 @@
+"""Inputs shared by the native kernels' tests (imported by them; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_llama.ops import HedgehogFeatureMap
+
+
+def trained_maps(H: int, Hk: int, D: int, seed: int = 3) -> tuple[HedgehogFeatureMap, HedgehogFeatureMap]:
+    """Hedgehog maps for H query heads and Hk KV heads, moved away from their identity start so that
+    W and b matter."""
+    g = torch.Generator().manual_seed(seed)
+    maps = (HedgehogFeatureMap(H, D), HedgehogFeatureMap(Hk, D))
+    with torch.no_grad():
+        for m in maps:
+            m.weight.add_(0.3 * torch.randn(m.weight.shape, generator=g))
+            m.bias.add_(0.5 * torch.randn(m.bias.shape, generator=g))
+    return maps
