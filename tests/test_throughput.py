@@ -115,17 +115,24 @@ class _VirtualClock:
 
 
 class _Costed(LlamaForCausalLM):
-    """Advances the virtual clock by ``cost`` seconds per forward, times a per-round drift."""
+    """Advances the virtual clock by ``cost`` seconds per forward, 1.5x that in every other spell of
+    ``spell`` forwards (of any model): a machine whose speed drifts."""
 
-    def __init__(self, config, name: str, cost: float, clock: _VirtualClock):
+    def __init__(self, config, name: str, cost: float, clock: _VirtualClock, spell: int):
         super().__init__(config)
-        self.name, self.cost, self.clock = name, cost, clock
+        self.name, self.cost, self.clock, self.spell = name, cost, clock, spell
 
     def forward(self, input_ids=None, **kw):
         self.clock.calls.append(self.name)
-        drift = 1 + 0.5 * ((len(self.clock.calls) - 1) // 4 % 2)  # 4 calls a round; every other round is slower
+        drift = 1 + 0.5 * ((len(self.clock.calls) - 1) // self.spell % 2)
         self.clock.now += self.cost * drift
         return super().forward(input_ids=input_ids, **kw)
+
+
+def _costed_pair(tiny_model_dir, clock: _VirtualClock, spell: int) -> dict:
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    return {"base": (_Costed(cfg, "base", 1.0, clock, spell).eval(), None, "sdpa"),
+            "slow": (_Costed(cfg, "slow", 4.0, clock, spell).eval(), None, "x")}
 
 
 def test_variants_interleave_and_pair_with_base(tiny_model_dir, monkeypatch):
@@ -133,12 +140,11 @@ def test_variants_interleave_and_pair_with_base(tiny_model_dir, monkeypatch):
 
     clock = _VirtualClock()
     monkeypatch.setattr(throughput, "time", clock)
-    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
-    variants = {"base": (_Costed(cfg, "base", 1.0, clock).eval(), None, "sdpa"),
-                "slow": (_Costed(cfg, "slow", 4.0, clock).eval(), None, "x")}
-    df = measure_throughput(variants, seq_lens=[2, 4], decode_tokens=1, repeats=3, warmup=1)
-    # 2 lengths x 4 rounds; each variant runs a prefill and 1 decode step per round; the order rotates
-    assert clock.calls[::2] == ["base", "slow", "slow", "base"] * 4
+    # 4 forwards a round (2 prefills, 2 decode steps): every other round is slower
+    df = measure_throughput(_costed_pair(tiny_model_dir, clock, spell=4), seq_lens=[2, 4], decode_tokens=1,
+                            repeats=3, warmup=1)
+    # 2 lengths x 4 rounds; the prefills take turns, then the decode steps; the order rotates by round
+    assert clock.calls == ["base", "slow", "base", "slow", "slow", "base", "slow", "base"] * 4
     slow, base = df[df["variant"] == "slow"], df[df["variant"] == "base"]
     # paired within each round the drift cancels: exactly 1/4 in every round, so no spread
     assert slow["speedup"].to_numpy() == pytest.approx(0.25)
@@ -147,6 +153,45 @@ def test_variants_interleave_and_pair_with_base(tiny_model_dir, monkeypatch):
     assert (base["speedup"] == 1.0).all()
     # while each variant's own times spread with the drift
     assert (slow["time_s_max"] / slow["time_s_min"]).to_numpy() == pytest.approx(1.5)
+
+
+def test_decode_steps_take_turns_within_a_round(tiny_model_dir, monkeypatch):
+    """A slow spell shorter than a round (2 forwards) hits base and the variant alike, because their
+    decode steps alternate (who goes first rotating by step); timed one variant after the other,
+    the spell would land on whichever ran during it and the ratio would swing by round."""
+    from hybrid_llama.eval import throughput
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(throughput, "time", clock)
+    df = measure_throughput(_costed_pair(tiny_model_dir, clock, spell=2), seq_lens=[3], decode_tokens=4,
+                            repeats=3, warmup=0)
+    assert clock.calls[:10] == ["base", "slow"] + ["base", "slow", "slow", "base"] * 2
+    slow = df[(df["variant"] == "slow")].set_index("phase")
+    for phase in ("prefill", "decode"):
+        assert slow.loc[phase, ["speedup", "speedup_min", "speedup_max"]].to_numpy() == pytest.approx(0.25)
+    # the decode phase is the sum of its steps: 4 steps, half of them in slow spells
+    assert slow.loc["decode", "time_s"] == pytest.approx(4.0 * (1 + 1.5 + 1 + 1.5))
+
+
+def test_short_prefills_repeat_within_a_round(tiny_model_dir, monkeypatch):
+    """Prefills quicker than prefill_min_s run several times per round, the variants taking turns;
+    the count comes from the slowest variant in the first round, the time reported is per call."""
+    from hybrid_llama.eval import throughput
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(throughput, "time", clock)
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    variants = {"base": (_Costed(cfg, "base", 0.1, clock, spell=10**6).eval(), None, "sdpa"),
+                "slow": (_Costed(cfg, "slow", 0.2, clock, spell=10**6).eval(), None, "x")}
+    df = measure_throughput(variants, seq_lens=[3], decode_tokens=1, repeats=1, warmup=1, prefill_min_s=0.5)
+    # round 1 (warm-up): one prefill each; 0.5 s / 0.2 s -> 3 prefills each in round 2, turns rotating
+    assert clock.calls == (["base", "slow"] * 2 + ["slow", "base"] + ["base", "slow", "slow", "base"]
+                           + ["slow", "base"])
+    slow = df[df["variant"] == "slow"].set_index("phase")
+    assert (df["prefill_calls"] == 3).all()
+    assert slow.loc["prefill", "time_s"] == pytest.approx(0.2)  # per call
+    assert slow.loc["prefill", "speedup"] == pytest.approx(0.5)
+    assert slow.loc["decode", "time_s"] == pytest.approx(0.2)
 
 
 def test_oom_is_a_row_not_a_crash(tiny_model_dir):

@@ -34,6 +34,7 @@ frame = measure_throughput(
     decode_tokens=cfg["decode_tokens"],
     repeats=cfg["repeats"],
     warmup=cfg["warmup"],
+    prefill_min_s=cfg["prefill_min_s"],
     device=device,
     dtype=cfg["dtype"],
     batch=cfg["batch"],

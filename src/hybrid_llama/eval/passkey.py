@@ -12,7 +12,6 @@ with its Wilson interval.
 
 from __future__ import annotations
 
-import inspect
 import random
 import re
 import warnings
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_llama.eval.placement import eval_mode, max_positions, place_model
+from hybrid_llama.eval.placement import cache_keyword, eval_mode, max_positions, place_model
 
 # Plain, self-written sentences: no download, no information a model could confuse with a key.
 FILLER_SENTENCES = (
@@ -178,12 +177,6 @@ def teacher_forced_hit(model, trial: dict, device=None) -> tuple[bool, list[floa
         rest = model(input_ids=answer[:, :-1], **{cache_keyword(model): out.past_key_values}, use_cache=True).logits
         preds += list(rest[0].argmax(-1))
     return bool(all(int(p) == int(t) for p, t in zip(preds, answer[0]))), shares
-
-
-def cache_keyword(model) -> str:
-    """The keyword a model's forward takes its cache by: 'cache' from transformers 5.2x, else
-    'past_key_values' (deprecated there)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def needle_in_cache(cache, needle: Sequence[int]) -> list[float]:

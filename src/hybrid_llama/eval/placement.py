@@ -1,8 +1,11 @@
-"""Where a model under evaluation runs and how long its inputs may be, for the quality evaluations
-(perplexity, passkey, components): they score a model the caller already built and placed."""
+"""Where a model under evaluation runs, how long its inputs may be and how its forward takes a cache,
+for the evaluations (perplexity, passkey, components, throughput): they score a model the caller
+already built and placed."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +23,18 @@ def place_model(model: torch.nn.Module, device: Any = None, dtype: Any = None) -
     if device is not None:
         model.to(device)
     return next(model.parameters()).device
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its cache by: 'cache' from transformers 5.2x, else
+    'past_key_values' (deprecated there)."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    # per class, once: a decode step is timed around this call
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

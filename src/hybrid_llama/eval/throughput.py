@@ -6,12 +6,14 @@ For each variant and each prompt length L (an exact token count of random ids):
   layers, the constant-size ``HybridState`` for hybrid layers) and only the last position's logits;
 - decode: from that cache, ``decode_tokens`` greedy steps of one token each.
 
-Each repeat runs a fresh prefill then the decode; ``warmup`` untimed repeats come first; the median
-over ``repeats`` is reported with its min and max. The variants are interleaved round by round on
-the same prompt, and each variant's speed-up over base is the median of per-round ratios: on a
+Each repeat (a round) runs a fresh prefill then the decode; ``warmup`` untimed rounds come first;
+the median over ``repeats`` is reported with its min and max. In a round every variant prefills the
+same prompt in turn (several times over for prompts whose prefill takes less than
+``prefill_min_s``), then the variants take turns at each decode step, so base and hybrid are
+timed milliseconds apart; each variant's speed-up over base is the median of per-round ratios: on a
 machine whose speed drifts, a ratio taken within one round is what can be trusted. GPU timings use
-CUDA events (the decode loop never syncs with the host, the argmax token stays on the device); CPU
-timings use ``time.perf_counter``.
+CUDA events read at the end of the round (the decode loop never syncs with the host, the argmax
+token stays on the device); CPU timings use ``time.perf_counter``.
 
 Peak memory: a variant's weights plus how far the phase raised the memory high-water mark above its
 level when the phase began. On CUDA that mark is ``torch.cuda.max_memory_allocated`` (reset before
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import re
 import resource
 import statistics
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from hybrid_llama.eval.placement import cache_keyword
 from hybrid_llama.runtime import device_name, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -47,9 +51,10 @@ _MEASURED = ["tokens_per_s", "s_per_token", "time_s", "time_s_min", "time_s_max"
              "speedup_max", "peak_mem_bytes", "cache_bytes"]
 COLUMNS = [
     "variant", "backend", "phase", "seq_len", "batch", *_MEASURED, "mem_method", "device", "device_name",
-    "dtype", "repeats", "decode_tokens", "status", "error",
+    "dtype", "repeats", "prefill_calls", "decode_tokens", "status", "error",
 ]
 
+MAX_PREFILL_CALLS = 16  # per variant and round, for the shortest prompts (``prefill_min_s``)
 Variant = tuple[Any, Any, str]  # (model, tokenizer or None, backend label)
 
 
@@ -107,25 +112,37 @@ class PeakMemory:
 # ---------------------------------------------------------------- timing
 
 
-class _Timer:
+class _Clock:
+    """Many short timed spans, read at the end of a round: on CUDA a pair of events per span on the
+    stream (no host sync per decode step), on CPU ``time.perf_counter``."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.spans: list = []
 
-    def __enter__(self) -> _Timer:
+    def start(self):
         if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, started) -> int:
+        """Close the span ``start`` opened; its index, for :meth:`seconds`."""
         if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1000.0
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((started, end))
         else:
-            self.seconds = time.perf_counter() - self.t0
+            self.spans.append(time.perf_counter() - started)
+        return len(self.spans) - 1
+
+    def seconds(self, index: int) -> float:
+        span = self.spans[index]
+        if self.cuda:
+            span[1].synchronize()
+            return span[0].elapsed_time(span[1]) / 1000.0
+        return span
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -153,14 +170,18 @@ def prefill(model, input_ids: torch.Tensor):
 
 
 @torch.inference_mode()
+def decode_step(model, token: torch.Tensor, cache):
+    """One greedy step from ``cache``, feeding ``token`` [B, 1]: (next token [B, 1], cache)."""
+    out = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1:].argmax(-1), out.past_key_values
+
+
 def decode_steps(model, token: torch.Tensor, cache, n: int) -> torch.Tensor:
     """``n`` greedy steps from ``cache``, feeding ``token`` first; returns the n fed tokens [B, n]."""
     fed = []
     for _ in range(n):
         fed.append(token)
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        token = out.logits[:, -1:].argmax(-1)
+        token, cache = decode_step(model, token, cache)
     return torch.cat(fed, dim=1)
 
 
@@ -185,18 +206,59 @@ def _weights_nbytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-def _run_once(model, ids: torch.Tensor, decode_tokens: int, device: torch.device, mem: PeakMemory) -> dict:
-    """One prefill then ``decode_tokens`` steps from its cache: seconds, working-memory growth, cache bytes."""
-    mem.reset()
-    with _Timer(device) as tp:
-        token, cache = prefill(model, ids)
-    grow_p = mem.growth()
-    size = cache_nbytes(cache)
-    mem.reset()
-    with _Timer(device) as td:
-        decode_steps(model, token, cache, decode_tokens)
-    grow_d = mem.growth()
-    return {"prefill": (tp.seconds, grow_p), "decode": (td.seconds, grow_d), "cache_bytes": size}
+def _interleaved_round(models: dict[str, Any], ids: torch.Tensor, decode_tokens: int, device: torch.device,
+                       mem: PeakMemory, prefill_calls: int = 1) -> tuple[dict[str, dict], dict[str, BaseException]]:
+    """One round over ``models``, in their order: their prefills in turn (``prefill_calls`` times
+    over, for prompts too short to time once), then the decode steps with the models taking turns at
+    every step (who goes first rotates). A slow spell of the machine then lands on all of them within
+    one call's time, instead of on whichever ran during it. Decode continues from the last prefill.
+
+    Returns ``({name: {"prefill": (s per prefill, growth), "decode": (s, growth), "cache_bytes": n}},
+    {name: exception})``. A phase's growth is the most one of its calls raised the memory above its
+    level just before the call (other models' caches are alive meanwhile and do not count)."""
+    clock = _Clock(device)
+    live: dict[str, list] = {}  # name -> [next token, cache]
+    marks: dict[str, dict] = {}
+    failed: dict[str, BaseException] = {}
+
+    def timed(name: str, phase: str, call, *args):
+        mem.reset()
+        started = clock.start()
+        try:
+            result = call(*args)
+        except Exception as exc:
+            failed[name] = exc
+            live.pop(name, None)
+            _free(device)
+            return None
+        mark = marks.setdefault(name, {"prefill": [], "decode": [], "growth": dict.fromkeys(("prefill", "decode"), 0)})
+        mark[phase].append(clock.stop(started))
+        mark["growth"][phase] = max(mark["growth"][phase], mem.growth())
+        return result
+
+    for call in range(prefill_calls):
+        names = [name for name in models if name not in failed]
+        shift = call % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            live.pop(name, None)  # the previous call's cache goes before this one is built
+            done = timed(name, "prefill", prefill, models[name], ids)
+            if done is not None:
+                live[name] = list(done)
+                marks[name]["cache_bytes"] = cache_nbytes(done[1])
+    for step in range(decode_tokens):
+        names = list(live)
+        shift = step % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            done = timed(name, "decode", decode_step, models[name], *live[name])
+            if done is not None:
+                live[name] = list(done)
+    per_call = {"prefill": prefill_calls, "decode": 1}
+    results = {
+        name: {**{phase: (sum(clock.seconds(i) for i in mark[phase]) / per_call[phase], mark["growth"][phase])
+                  for phase in ("prefill", "decode")}, "cache_bytes": mark["cache_bytes"]}
+        for name, mark in marks.items() if name in live
+    }
+    return results, failed
 
 
 def _summarise(runs: list[dict], base_runs: list[dict] | None, *, n_tokens: dict[str, int], batch: int,
@@ -243,15 +305,22 @@ def measure_throughput(
     batch: int = 1,
     time_budget_s: float | None = None,
     seed: int = 0,
+    prefill_min_s: float = 0.5,
 ):
     """Tidy ``pandas.DataFrame`` (columns ``COLUMNS``), one row per variant x phase x length.
 
     ``variants`` maps a name to ``(model, tokenizer-or-None, backend label)`` or to a zero-argument
     callable returning it; every variant is built once, up front. The variants are interleaved: at each
-    length, every round (``warmup`` untimed, then ``repeats`` timed) runs each variant once on the
-    same prompt, in an order that rotates from round to round, so a slow spell of the machine hits all
-    of them alike. ``speedup`` is the median over rounds of base's time / the variant's time in that
-    round (``speedup_min``/``_max`` its spread), when a variant named ``base`` is measured.
+    length, every round (``warmup`` untimed, then ``repeats`` timed) runs each variant's prefill on
+    the same prompt, in an order that rotates from round to round, then their decode steps in turns
+    (``_interleaved_round``), so a slow spell of the machine hits all of them alike. ``speedup`` is
+    the median over rounds of base's time / the variant's time in that round (``speedup_min``/``_max``
+    its spread), when a variant named ``base`` is measured.
+
+    ``prefill_min_s``: a prompt whose prefill is quicker than this is prefilled several times per
+    round (the variants taking turns, at most ``MAX_PREFILL_CALLS``, the count set by the slowest
+    variant in the first round and written to ``prefill_calls``), and the time per call is reported:
+    a single call of a few milliseconds is at the mercy of whatever else the machine does then.
 
     ``peak_mem_bytes`` is the variant's own weights plus the most its phase grew the process's memory
     (see :class:`PeakMemory`), so other loaded variants do not count. ``time_budget_s`` bounds each
@@ -267,14 +336,14 @@ def measure_throughput(
     lens = sorted({int(n) for n in seq_lens})
     rows: list[dict] = []
 
-    def add(name, backend, length, status, phase_vals=None, error=""):
+    def add(name, backend, length, status, phase_vals=None, error="", prefill_calls=1):
         for phase in ("prefill", "decode"):
             v = (phase_vals or {}).get(phase, {})
             rows.append({
                 "variant": name, "backend": backend, "phase": phase, "seq_len": length, "batch": batch,
                 **{c: v.get(c, float("nan")) for c in _MEASURED},
                 "mem_method": mem.method, "device": str(dev), "device_name": dname,
-                "dtype": str(tdtype).replace("torch.", ""), "repeats": repeats,
+                "dtype": str(tdtype).replace("torch.", ""), "repeats": repeats, "prefill_calls": prefill_calls,
                 "decode_tokens": decode_tokens, "status": status, "error": error,
             })
 
@@ -297,25 +366,26 @@ def measure_throughput(
     for n in lens:
         ids = torch.randint(0, _vocab(built), (batch, n), generator=gen).to(dev)
         runs: dict[str, list[dict]] = {name: [] for name in built if name not in stopped}
+        calls = 1
         for r in range(warmup + repeats):
             names = [name for name in runs if name not in stopped]
             shift = r % len(names) if names else 0
-            for name in names[shift:] + names[:shift]:
-                model, _ = built[name]
-                t0 = time.perf_counter()
-                try:
-                    once = _run_once(model, ids, decode_tokens, dev, mem)
-                except Exception as exc:
-                    status = "oom" if _is_oom(exc) else "error"
-                    if status == "error":
-                        log.exception("variant %s failed at length %d", name, n)
-                    stopped[name] = f"after {status} at seq_len {n}"
-                    add(name, built[name][1], n, status, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-                    _free(dev)
-                    continue
-                spent[name] += time.perf_counter() - t0
+            order = names[shift:] + names[:shift]
+            done, failed = _interleaved_round({name: built[name][0] for name in order}, ids, decode_tokens, dev, mem,
+                                              prefill_calls=calls)
+            for name, exc in failed.items():
+                status = "oom" if _is_oom(exc) else "error"
+                if status == "error":
+                    log.error("variant %s failed at length %d", name, n, exc_info=exc)
+                stopped[name] = f"after {status} at seq_len {n}"
+                add(name, built[name][1], n, status, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            for name, once in done.items():
+                spent[name] += once["prefill"][0] * calls + once["decode"][0]
                 if r >= warmup:
                     runs[name].append(once)
+            if r == 0 and done and prefill_min_s > 0:
+                slowest = max(once["prefill"][0] for once in done.values())
+                calls = min(MAX_PREFILL_CALLS, math.ceil(prefill_min_s / slowest)) if slowest > 0 else MAX_PREFILL_CALLS
         base = runs.get("base") if "base" in runs and len(runs.get("base", [])) == repeats else None
         for name, done in runs.items():
             if len(done) != repeats:
@@ -326,7 +396,7 @@ def measure_throughput(
             if name != "base" and base is None:
                 for v in vals.values():
                     v.update(speedup=float("nan"), speedup_min=float("nan"), speedup_max=float("nan"))
-            add(name, built[name][1], n, "ok", vals)
+            add(name, built[name][1], n, "ok", vals, prefill_calls=calls)
             log.info("%s L=%d prefill %.1f tok/s decode %.1f tok/s", name, n,
                      vals["prefill"]["tokens_per_s"], vals["decode"]["tokens_per_s"])
             if time_budget_s is not None and spent[name] > time_budget_s and name not in stopped:
