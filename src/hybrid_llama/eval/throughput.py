@@ -206,6 +206,12 @@ def _weights_nbytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def _rotated(names: list[str], by: int) -> list[str]:
+    """``names`` starting from its ``by``-th (mod its length): who goes first changes turn by turn."""
+    shift = by % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def _interleaved_round(models: dict[str, Any], ids: torch.Tensor, decode_tokens: int, device: torch.device,
                        mem: PeakMemory, prefill_calls: int = 1) -> tuple[dict[str, dict], dict[str, BaseException]]:
     """One round over ``models``, in their order: their prefills in turn (``prefill_calls`` times
@@ -237,18 +243,14 @@ def _interleaved_round(models: dict[str, Any], ids: torch.Tensor, decode_tokens:
         return result
 
     for call in range(prefill_calls):
-        names = [name for name in models if name not in failed]
-        shift = call % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        for name in _rotated([name for name in models if name not in failed], call):
             live.pop(name, None)  # the previous call's cache goes before this one is built
             done = timed(name, "prefill", prefill, models[name], ids)
             if done is not None:
                 live[name] = list(done)
                 marks[name]["cache_bytes"] = cache_nbytes(done[1])
     for step in range(decode_tokens):
-        names = list(live)
-        shift = step % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        for name in _rotated(list(live), step):
             done = timed(name, "decode", decode_step, models[name], *live[name])
             if done is not None:
                 live[name] = list(done)
@@ -368,9 +370,7 @@ def measure_throughput(
         runs: dict[str, list[dict]] = {name: [] for name in built if name not in stopped}
         calls = 1
         for r in range(warmup + repeats):
-            names = [name for name in runs if name not in stopped]
-            shift = r % len(names) if names else 0
-            order = names[shift:] + names[:shift]
+            order = _rotated([name for name in runs if name not in stopped], r)
             done, failed = _interleaved_round({name: built[name][0] for name in order}, ids, decode_tokens, dev, mem,
                                               prefill_calls=calls)
             for name, exc in failed.items():

@@ -84,6 +84,12 @@ def _triton_or_fallback(module: str, attr: str, backend: str, op: str) -> Callab
     return fn
 
 
+def _check_backend(backend: str) -> None:
+    # besides BACKENDS: "torch", the chunked backend's PyTorch ops with the native kernels left out
+    if backend not in BACKENDS + ("torch",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
+
+
 def hybrid_attention(
     q: Tensor,
     k: Tensor,
@@ -113,8 +119,7 @@ def hybrid_attention(
     them itself, seed_naive gets them repeated here."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
-    if backend not in BACKENDS + ("torch",):
-        raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
+    _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
@@ -225,8 +230,7 @@ def hybrid_attention_step(
         if out is not None:
             return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
-    if backend not in BACKENDS + ("torch",):
-        raise ValueError(f"backend must be one of {BACKENDS + ('torch',)}, got {backend!r}")
+    _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
     if cache.active or state.sparse is not None:
         if backend == "triton" or (backend == "auto" and q.is_cuda):

@@ -33,7 +33,7 @@ from . import native
 from .cpu_step import map_parameters
 from .feature_maps import FeatureMap, elu1, resolve_qk_maps
 from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
-from .state import HybridState, prefill_state
+from .state import HybridState, linear_sums_of, prefill_state
 
 TILE = 64  # cpu_kernels.c: keys per score tile, and the head dim's granule
 MIN_SEGMENT = 256  # positions per thread below which one thread does it all
@@ -110,12 +110,11 @@ def hybrid_attention_cpu(
     z = q32.new_zeros(n, B, Hk, F)
     linear = formulation != "window"
     if linear and n > 1:
-        phi_k = resolve_qk_maps(feature_map)[1]
         for s in range(1, n):
             lo, hi = max(bounds[s - 1] - w, 0), max(bounds[s] - w, 0)
-            keys = phi_k(k32[:, :, lo:hi])
-            torch.add(S[s - 1], keys.transpose(-1, -2) @ v32[:, :, lo:hi], out=S[s])
-            torch.add(z[s - 1], keys.sum(dim=2), out=z[s])
+            S_part, z_part = linear_sums_of(k32[:, :, lo:hi], v32[:, :, lo:hi], None, feature_map)
+            torch.add(S[s - 1], S_part, out=S[s])
+            torch.add(z[s - 1], z_part, out=z[s])
     stride = lib.hybrid_prefill_workspace(H // Hk, w, D)
     work = q32.new_empty(n, stride)
     pointers = tuple(None if t is None else t.data_ptr() for t in weights)
