@@ -574,6 +574,30 @@ def test_chunked_prefill_continues_from_state(lively_dir):
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("formulation,feature_map", VARIANTS)
+def test_prompt_inside_window_defers_its_state(lively_dir, formulation, feature_map):
+    """A first prompt no longer than the window keeps its keys/values until a decode step needs the state;
+    decoding from there (across the window) gives the uncached logits, also after reordering the batch."""
+    from transformers import DynamicCache
+
+    model, tok = hybrid_lively(lively_dir, formulation, feature_map, window=8)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    steps = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        first = model(ids, past_key_values=cache, use_cache=True).logits
+        kv_heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+        for i in HYBRID_LAYERS:  # k and v of 2 rows x 5 tokens, fp32: no ring buffers or sums yet
+            assert cache_nbytes_by_layer(cache)[i] == 2 * 2 * kv_heads * 5 * head_dim * 4
+        cache.reorder_cache(torch.tensor([1, 0]))
+        rows = [model(steps[[1, 0], t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(12)]
+        full = model(torch.cat([ids, steps], 1)[[1, 0]], use_cache=False).logits
+    assert torch.allclose(first, full[[1, 0], :5], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.cat(rows, 1), full[:, 5:], atol=1e-4, rtol=1e-4)
+    state = cache.layers[HYBRID_LAYERS[0]].state
+    assert state.seen == 17 and cache.get_seq_length() == 17
+
+
 def test_cache_memory_constant_for_hybrid_layers(lively_dir):
     model, tok = hybrid_lively(lively_dir, window=4)
     enc = tok(["memory"], return_tensors="pt")

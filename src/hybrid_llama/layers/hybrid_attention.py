@@ -11,7 +11,9 @@ a :class:`HybridCacheLayer` on first use, while softmax layers keep their normal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from hybrid_llama.ops import (
     HybridState,
     hybrid_attention,
     hybrid_attention_step,
+    prefill_state,
     sparse_cache_config,
 )
 from hybrid_llama.ops.reference import FORMULATIONS
@@ -149,8 +152,24 @@ class HybridCacheLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.state: HybridState | None = None
+        self._state: HybridState | None = None
+        # A prompt that fits in the window, kept as its keys/values until a decode step needs the state:
+        # (k, v, build). Building the ring buffers and sums is most of what such a prefill would cost
+        # beyond causal SDPA, and a forward that never decodes (scoring) never needs them.
+        self._prefix: tuple[Tensor, Tensor, Callable[[Tensor, Tensor], HybridState]] | None = None
         self.seen = 0  # tokens consumed, even when no state was kept (training mode)
+
+    @property
+    def state(self) -> HybridState | None:
+        """The decode state after ``seen`` tokens; a deferred prompt (``defer_state``) is built into it here."""
+        if self._prefix is not None:
+            k, v, build = self._prefix
+            self._prefix, self._state = None, build(k, v)
+        return self._state
+
+    @state.setter
+    def state(self, state: HybridState | None) -> None:
+        self._prefix, self._state = None, state
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -174,8 +193,20 @@ class HybridCacheLayer(CacheLayerMixin):
         self.state = state
         self.seen += consumed
 
+    def defer_state(self, k: Tensor, v: Tensor, build: Callable[[Tensor, Tensor], HybridState]) -> None:
+        """Keep a first prompt's keys/values ``[B, H_kv, T, D]`` (T <= window) as they are; the state is
+        ``build(k, v)``, made when first read."""
+        if self.seen or self._state is not None:
+            raise RuntimeError("only a cache's first prompt can be deferred")
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self._prefix, self._state = (k, v, build), None
+        self.seen = k.shape[2]
+
     def nbytes(self) -> int:
-        return 0 if self.state is None else self.state.nbytes()
+        if self._prefix is not None:
+            return sum(t.numel() * t.element_size() for t in self._prefix[:2])
+        return 0 if self._state is None else self._state.nbytes()
 
     def offload(self) -> None:
         if self.state is not None:
@@ -186,7 +217,7 @@ class HybridCacheLayer(CacheLayerMixin):
             self.state = self.state.to(self.device)
 
     def reset(self) -> None:
-        self.state = None
+        self.state = None  # drops a deferred prompt too
         self.seen = 0
         self.is_initialized = False
 
@@ -321,6 +352,9 @@ class HybridLlamaAttention(LlamaAttention):
                 )
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
+            # A first prompt inside the window is causal softmax (the op runs SDPA): keep its k/v and
+            # build the state only if a decode step comes (as the op would build it: prefill_state).
+            defer = (keep_state and valid is None and q_len <= cfg.window and not (cfg.sparse_cache or cfg.sinks))
             out, state = hybrid_attention(
                 q,
                 k,
@@ -332,10 +366,12 @@ class HybridLlamaAttention(LlamaAttention):
                 formulation=cfg.formulation,
                 feature_map=fmap,
                 key_padding_mask=valid,
-                output_final_state=keep_state,
+                output_final_state=keep_state and not defer,
                 **cfg.sparse_kwargs,
             )
-            if slot is not None:
+            if defer:
+                slot.defer_state(k.detach(), v.detach(), partial(prefill_state, window=cfg.window, feature_map=fmap))
+            elif slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)
         else:
             state, outs = slot.state, []
