@@ -169,14 +169,22 @@ def hybrid_attention_sparse(
     positions = torch.arange(T, device=q.device)
     sink_pos = positions[: min(ns, T)]
     outs, shares = [], []
-    for J, (t0, t1) in enumerate(group_bounds(T, w, ns)):
+    bounds = group_bounds(T, w, ns)
+    # One split, and one gather of keys and of values per group: under autograd each slice or gather
+    # of a whole [B, H, T, D] tensor gives back a zero-filled gradient of its full size, and a dozen per
+    # group were most of the backward's time at 2048 tokens.
+    q_groups = qf.split([t1 - t0 for t0, t1 in bounds], dim=2)
+    every_head = lambda pos: pos.view(1, 1, -1).expand(B, Hk, -1)  # noqa: E731
+    for J, ((t0, t1), q_group) in enumerate(zip(bounds, q_groups)):
         tq = positions[t0:t1]
         lo = max(0, t0 - w + 1)
         blk = positions[ns + J * w : min(T, ns + (J + 1) * w)]  # block J: pending while it fills
-        # The exact keys of this group: [window slab | sinks | cache | block J], with a mask per query.
-        keys = torch.cat([kf[:, :, lo:t1], kf[:, :, sink_pos], gather_slots(kf, cache_idx), kf[:, :, blk]], 2)
-        vals = torch.cat([vf[:, :, lo:t1], vf[:, :, sink_pos], gather_slots(vf, cache_idx), vf[:, :, blk]], 2)
         slab = positions[lo:t1]
+        # The exact keys of this group: [window slab | sinks | cache | block J], with a mask per query;
+        # the last two parts are the candidates when block J closes.
+        n_fixed = len(slab) + len(sink_pos)
+        key_pos = torch.cat([every_head(slab), every_head(sink_pos), cache_idx, every_head(blk)], -1)
+        keys, vals = gather_slots(kf, key_pos), gather_slots(vf, key_pos)
         m_win = (slab[None] <= tq[:, None]) & (slab[None] > tq[:, None] - w)
         m_sink = sink_pos[None] <= tq[:, None] - w
         m_blk = blk[None] <= tq[:, None] - w
@@ -186,7 +194,7 @@ def hybrid_attention_sparse(
             cache_ok.unsqueeze(2).expand(B, Hk, t1 - t0, lam),
             (m_blk[None] & real[:, None, blk]).unsqueeze(1).expand(B, Hk, -1, -1),
         ], dim=-1)  # [B, Hk, nq, n_keys]
-        qg = qf[:, :, t0:t1].reshape(B, Hk, g, t1 - t0, D)
+        qg = q_group.reshape(B, Hk, g, t1 - t0, D)
         scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hk, g, nq, n_keys]
         scores = scores.masked_fill(~allowed.unsqueeze(2), float("-inf"))
         m = scores.amax(dim=-1, keepdim=True)
@@ -195,7 +203,7 @@ def hybrid_attention_sparse(
         exact_sum = p.sum(dim=-1, keepdim=True)
         safe_sum = torch.where(exact_sum > 0, exact_sum, torch.ones_like(exact_sum))
         exact_avg = torch.matmul(p, vals.unsqueeze(2)) / safe_sum
-        phi_q = phi_q_map(qf[:, :, t0:t1]).reshape(B, Hk, g, t1 - t0, -1)
+        phi_q = phi_q_map(q_group).reshape(B, Hk, g, t1 - t0, -1)
         lin_num = torch.matmul(phi_q, S.unsqueeze(2))
         lin_den = torch.matmul(phi_q, z.unsqueeze(2).unsqueeze(-1))
         per_head = [x.reshape(B, H, t1 - t0, -1) for x in (exact_avg, exact_sum, lin_num, lin_den)]
@@ -209,17 +217,16 @@ def hybrid_attention_sparse(
         if acc is not None:
             with torch.no_grad():  # attention each key received: summed over the group's query heads
                 weight = (p / safe_sum).sum(dim=(2, 3))
-                n_slab, n_fixed = t1 - lo, t1 - lo + len(sink_pos)
-                acc.index_add_(2, slab, weight[..., :n_slab])
+                acc.index_add_(2, slab, weight[..., : len(slab)])
                 acc.scatter_add_(2, cache_idx, weight[..., n_fixed : n_fixed + lam])
                 acc.index_add_(2, blk, weight[..., n_fixed + lam :])
         if t1 < T:
             # Block J closes where the next group starts: the cache and the block compete, the rest folds.
-            cand_pos = torch.cat([cache_idx, blk.view(1, 1, -1).expand(B, Hk, -1)], -1)
+            cand_pos = key_pos[..., n_fixed:]
             cand_ok = torch.cat([cache_ok, real[:, None, blk].expand(B, Hk, -1)], -1)
             cand_acc = acc.gather(-1, cand_pos) if acc is not None else None
             keep, cache_ok, S, z = close_block(
-                cache.score, gather_slots(kf, cand_pos), gather_slots(vf, cand_pos), cand_ok, cand_pos, cand_acc,
+                cache.score, keys[:, :, n_fixed:], vals[:, :, n_fixed:], cand_ok, cand_pos, cand_acc,
                 S, z, lam, phi_k_map,
             )
             cache_idx = cand_pos.gather(-1, keep)
