@@ -3,12 +3,20 @@ keep freed memory in the heap, send output to the rule's log file, cap torch's t
 job's `threads`, and hand the library the files and labels of the stage a job evaluates."""
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 
 def start(snakemake, *, torch_threads: bool = True):
-    """Redirect stdout, stderr and logging to snakemake.log[0]; return the log file."""
+    """Redirect stdout, stderr and logging to snakemake.log[0]; return the log file.
+
+    ``torch_threads=False`` marks a job that loads no model (tables, plots, the report, data
+    preparation): it neither caps torch's threads nor registers the hybrid model type with
+    transformers. Registering imports torch and transformers, about 5 s of CPU in a job whose own
+    work takes a fraction of a second."""
+    if not torch_threads:
+        os.environ["HYBRID_LLAMA_REGISTER"] = "0"  # read when hybrid_llama is first imported, just below
     from hybrid_llama.runtime import keep_freed_memory
 
     kept = keep_freed_memory()  # before torch allocates anything: see its docstring
