@@ -141,6 +141,29 @@ def test_decode_equals_parallel_and_continues_from_prefill(T, w, size, sinks, sc
         torch.testing.assert_close(pre.S, state.S, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("score", ["sre", "random", "attention"])
+def test_prompt_inside_the_window_then_decode_equals_parallel(score):
+    """A prompt of T <= w takes the softmax-only path (SDPA, and for sre / random the state built
+    from its keys); decoding on from that state across several closed blocks gives the parallel op."""
+    q, k, v, wl, ll = make(T=60)
+    w, cut = 8, 6
+    kw = dict(formulation="lolcats", sparse_cache=3, sinks=2, cache_score=score)
+    with torch.no_grad():
+        full, _ = hybrid_attention(q, k, v, wl, ll, window=w, **kw)
+        head, pre = hybrid_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], wl, ll, window=w,
+                                     output_final_state=True, **kw)
+        stepped = _state_after(q, k, v, wl, ll, w, cut, None, {**kw, "feature_map": "elu1"})
+        for name in ("sink_valid", "pend_valid", "cache_valid", "cache_pos"):
+            assert torch.equal(getattr(pre.sparse, name), getattr(stepped.sparse, name)), name
+        torch.testing.assert_close(pre.k_window, stepped.k_window)
+        rest = []
+        for t in range(cut, 60):
+            o, pre = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], pre, wl, ll, **kw)
+            rest.append(o)
+    torch.testing.assert_close(head, full[:, :, :cut], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(rest, 2), full[:, :, cut:], atol=2e-5, rtol=1e-4)
+
+
 def _state_after(q, k, v, wl, ll, w, n, mask, kw):
     """The decode state after n steps from an empty one."""
     size, sinks, score = kw["sparse_cache"], kw["sinks"], kw["cache_score"]
@@ -234,3 +257,7 @@ def test_model_generates_with_sparse_cache_like_without_cache(lively_dir):
     # the hybrid layers' memory does not grow with the generated length
     assert layers[0].nbytes() == shorter.past_key_values.layers[0].nbytes()
     assert hybrid_cache_nbytes(cached.past_key_values) > hybrid_cache_nbytes(shorter.past_key_values)
+    # a prompt inside the window (deferred state), decoded far past it
+    short = tok(["hi"], return_tensors="pt")
+    assert short["input_ids"].shape[1] <= 4
+    assert torch.equal(greedy(model, short, n), greedy(model, short, n, use_cache=False))

@@ -27,8 +27,8 @@ from hybrid_llama.ops import (
     HybridState,
     hybrid_attention,
     hybrid_attention_step,
-    prefill_state,
     sparse_cache_config,
+    window_prompt_state,
 )
 from hybrid_llama.ops.reference import FORMULATIONS
 
@@ -353,8 +353,10 @@ class HybridLlamaAttention(LlamaAttention):
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
             # A first prompt inside the window is causal softmax (the op runs SDPA): keep its k/v and
-            # build the state only if a decode step comes (as the op would build it: prefill_state).
-            defer = (keep_state and valid is None and q_len <= cfg.window and not (cfg.sparse_cache or cfg.sinks))
+            # build the state only if a decode step comes, as the op would (window_prompt_state); the
+            # sparse cache's `attention` score needs the op's own state.
+            by_attention = (cfg.sparse_cache or cfg.sinks) and cfg.cache_score == "attention"
+            defer = keep_state and valid is None and q_len <= cfg.window and not by_attention
             out, state = hybrid_attention(
                 q,
                 k,
@@ -370,7 +372,9 @@ class HybridLlamaAttention(LlamaAttention):
                 **cfg.sparse_kwargs,
             )
             if defer:
-                slot.defer_state(k.detach(), v.detach(), partial(prefill_state, window=cfg.window, feature_map=fmap))
+                build = partial(window_prompt_state, window=cfg.window, feature_map=fmap,
+                                sparse_cache=cfg.sparse_cache, sinks=cfg.sinks)
+                slot.defer_state(k.detach(), v.detach(), build)
             elif slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)
         else:

@@ -6,7 +6,7 @@ Public API (contract in docs/design.md, section "ops"):
   feature_map, key_padding_mask, output_final_state)``: the parallel (prefill / training) op; like
   every backend it returns ``(o, final_state)``, the state only when asked for (from the same pass).
 - ``hybrid_attention_step(q, k, v, state, window_logit, linear_logit, *, ...)``: one decode step.
-- ``prefill_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
+- ``prefill_state``, ``window_prompt_state``, ``init_state``, ``HybridState``: the recurrent state for decoding.
 
 Backends: ``reference`` (readable, O(T^2)), ``chunked`` (on the CPU without autograd the native
 recurrence of ``cpu_prefill`` where it applies, else PyTorch ops, O(T*w*D + T*D^2); ``torch`` forces
@@ -36,13 +36,14 @@ from .reference import check_inputs, hybrid_attention_reference
 from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse
 from .sparse_decode import hybrid_attention_step_sparse, init_sparse_state
 from .sparse_reference import hybrid_attention_sparse_reference
-from .state import HybridState, init_state, prefill_state
+from .state import HybridState, init_state, prefill_state, window_prompt_state
 
 __all__ = [
     "hybrid_attention",
     "expand_kv",
     "hybrid_attention_step",
     "prefill_state",
+    "window_prompt_state",
     "init_state",
     "HybridState",
     "HedgehogFeatureMap",
@@ -121,6 +122,14 @@ def hybrid_attention(
                   output_final_state=output_final_state)
     _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
+    # The `attention` score's state holds what each window key received from the queries: not SDPA's.
+    state_from_keys = not (output_final_state and cache.active and cache.score == "attention")
+    if (backend in ("auto", "chunked", "torch") and key_padding_mask is None and q.shape[2] <= window
+            and state_from_keys):
+        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+        resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
+        return _softmax_only(q, k, v, window=window, feature_map=feature_map, cache=cache,
+                             output_final_state=output_final_state)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
     if backend == "reference":
@@ -133,10 +142,6 @@ def hybrid_attention(
         o, _ = hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
         # The decode state stays at the KV heads, as the step reads it.
         return o, prefill_state(k, v, window=window) if output_final_state else None
-    if backend in ("auto", "chunked", "torch") and key_padding_mask is None and q.shape[2] <= window:
-        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
-        resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
-        return _softmax_only(q, k, v, window=window, feature_map=feature_map, output_final_state=output_final_state)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         fn = _triton_or_fallback("triton_prefill", "hybrid_attention_triton", backend, "")
         if fn is not None:
@@ -160,14 +165,17 @@ def hybrid_attention(
     return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
 
 
-def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap,
+def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap, cache: SparseCacheConfig,
                   output_final_state: bool) -> tuple[Tensor, HybridState | None]:
     """T <= window and no padding: no key has left the window, so every formulation is causal
-    softmax attention (the linear part and the mixing gates cancel out): torch's SDPA computes it."""
+    softmax attention (the linear part, the sparse cache and the mixing gates cancel out): torch's
+    SDPA computes it."""
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True,
                                        enable_gqa=k.shape[1] != q.shape[1])
-    state = prefill_state(k, v, window=window, feature_map=feature_map) if output_final_state else None
-    return o, state
+    if not output_final_state:
+        return o, None
+    return o, window_prompt_state(k, v, window=window, feature_map=feature_map, sparse_cache=cache.size,
+                                  sinks=cache.sinks)
 
 
 def sparse_cache_config(size: int, sinks: int, score: str, formulation: str) -> SparseCacheConfig:

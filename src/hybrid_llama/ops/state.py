@@ -188,6 +188,22 @@ def prefill_state(
     return state
 
 
+def window_prompt_state(
+    k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap = "elu1", sparse_cache: int = 0, sinks: int = 0
+) -> HybridState:
+    """State after a prompt of T <= ``window`` real keys ``[B, H, T, D]``: the ring holds them all, the
+    linear sums are zero and, with a sparse cache of ``sparse_cache`` keys and ``sinks`` sinks, its
+    buffers are empty (no key has left the window yet). For the ``sre`` and ``random`` scores this is
+    the sparse op's final state too; the ``attention`` score also keeps what each key received."""
+    if k.shape[2] > window:
+        raise ValueError(f"the prompt ({k.shape[2]} tokens) must fit in the window ({window})")
+    state = prefill_state(k, v, window=window, feature_map=feature_map)
+    if sparse_cache or sinks:
+        B, H, _, D = k.shape
+        state.sparse = empty_sparse_state(B, H, D, window, sparse_cache, sinks, device=k.device, dtype=k.dtype)
+    return state
+
+
 def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap) -> tuple[Tensor, Tensor]:
     """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the
     given keys; ``real`` ``[B, T]`` bool drops padding."""
