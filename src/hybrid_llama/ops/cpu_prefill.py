@@ -36,7 +36,7 @@ from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
 from .state import HybridState, linear_sums_of, prefill_state
 
 TILE = 64  # cpu_kernels.c: keys per score tile, and the head dim's granule
-MIN_SEGMENT = 256  # positions per thread below which one thread does it all
+MIN_SEGMENT = 128  # positions per thread below which one thread does it all
 
 
 def covers(q: Tensor, k: Tensor, window: int, formulation: str, key_padding_mask: Tensor | None) -> bool:
