@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 from hybrid_llama.ops import (
     HedgehogFeatureMap,
     HybridState,
+    SparseCacheConfig,
     hybrid_attention,
     hybrid_attention_step,
     sparse_cache_config,
@@ -76,6 +77,10 @@ class HybridConfig:
     @property
     def sparse_kwargs(self) -> dict[str, Any]:
         return {"sparse_cache": self.sparse_cache, "sinks": self.sinks, "cache_score": self.cache_score}
+
+    @property
+    def sparse(self) -> SparseCacheConfig:
+        return SparseCacheConfig(self.sparse_cache, self.sinks, self.cache_score)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -353,10 +358,8 @@ class HybridLlamaAttention(LlamaAttention):
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
             # A first prompt inside the window is causal softmax (the op runs SDPA): keep its k/v and
-            # build the state only if a decode step comes, as the op would (window_prompt_state); the
-            # sparse cache's `attention` score needs the op's own state.
-            by_attention = (cfg.sparse_cache or cfg.sinks) and cfg.cache_score == "attention"
-            defer = keep_state and valid is None and q_len <= cfg.window and not by_attention
+            # build the state only if a decode step comes, as the op would (window_prompt_state).
+            defer = keep_state and valid is None and q_len <= cfg.window and not cfg.sparse.state_needs_queries
             out, state = hybrid_attention(
                 q,
                 k,

@@ -122,10 +122,8 @@ def hybrid_attention(
                   output_final_state=output_final_state)
     _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
-    # The `attention` score's state holds what each window key received from the queries: not SDPA's.
-    state_from_keys = not (output_final_state and cache.active and cache.score == "attention")
     if (backend in ("auto", "chunked", "torch") and key_padding_mask is None and q.shape[2] <= window
-            and state_from_keys):
+            and not (output_final_state and cache.state_needs_queries)):
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
         resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
         return _softmax_only(q, k, v, window=window, feature_map=feature_map, cache=cache,

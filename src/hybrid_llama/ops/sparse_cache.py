@@ -62,6 +62,12 @@ class SparseCacheConfig:
     def active(self) -> bool:
         return self.size > 0 or self.sinks > 0
 
+    @property
+    def state_needs_queries(self) -> bool:
+        """The ``attention`` score's state holds what each key received from the queries, so it cannot
+        be built from the keys alone (``window_prompt_state``)."""
+        return self.active and self.score == "attention"
+
 
 def random_scores(pos: Tensor, kv_heads: int) -> Tensor:
     """A fixed pseudo-random score in [0, 1) per (position, KV head): ``pos`` ``[B, Hk, N]`` int64.
