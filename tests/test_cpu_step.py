@@ -118,6 +118,101 @@ def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
         assert native_calls == {"ran": 0, "declined": 2}
 
 
+@pytest.fixture
+def native_sparse_calls(monkeypatch):
+    """Counts the sparse steps the kernel ran and those it left to the torch step."""
+    calls = {"ran": 0, "declined": 0}
+    real = cpu_step.sparse_step_in_place
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["ran" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(cpu_step, "sparse_step_in_place", counting)
+    return calls
+
+
+def _state_fields(state):
+    sparse = {f"sparse.{name}": getattr(state.sparse, name) for name in vars(state.sparse)}
+    own = {name: getattr(state, name) for name in ("k_window", "v_window", "window_valid", "S", "z")}
+    return {**own, **sparse}
+
+
+@pytest.mark.parametrize("score", ["sre", "random"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("B,H,Hk,D,w,size,sinks,T", [(2, 4, 2, 8, 6, 5, 2, 9), (1, 9, 3, 64, 8, 12, 4, 3),
+                                                    (1, 3, 3, 16, 4, 0, 1, 17)])
+def test_native_sparse_step_equals_torch_step_and_naive_op(score, fmap, B, H, Hk, D, w, size, sinks, T,
+                                                           native_sparse_calls):
+    """From a prefill (inside or past the window), through sinks filling, many closed blocks and
+    evictions: the kernel's outputs and states equal the torch sparse step's, and its outputs the
+    naive O(T^2) sparse op's; it runs every step but the one in w that closes a block."""
+    n = 5 * w + sinks + 3
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + n, D, fmap, seed=11)
+    kw = dict(feature_map=feature, formulation="lolcats", sparse_cache=size, sinks=sinks, cache_score=score)
+    head = (q[:, :, :T], k[:, :, :T], v[:, :, :T])
+    tail = (q[:, :, T:], k[:, :, T:], v[:, :, T:])
+    with torch.no_grad():
+        _, start = hybrid_attention(*head, wl, ll, window=w, backend="chunked", output_final_state=True, **kw)
+        _, again = hybrid_attention(*head, wl, ll, window=w, backend="chunked", output_final_state=True, **kw)
+        got, native = steps(*tail, wl, ll, start, backend="auto", **kw)
+        closing = sum(1 for t in range(T, T + n) if t - w >= sinks and (t - w - sinks) % w == w - 1)
+        assert native_sparse_calls == {"ran": n - closing, "declined": closing} and closing >= 4
+        want, reference = steps(*tail, wl, ll, again, backend="torch", **kw)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, naive[:, :, T:], atol=2e-6, rtol=1e-5)
+    assert native.seen == reference.seen == T + n
+    got_fields, want_fields = _state_fields(native), _state_fields(reference)
+    for name, want_t in want_fields.items():
+        torch.testing.assert_close(got_fields[name], want_t, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_native_sparse_step_leaves_the_prefill_tensors_alone(native_sparse_calls):
+    """The step writes in place, but only into memory of the state's own: a state whose buffers are
+    shared with another (a copy that still reads them) leaves that one as it was."""
+    B, H, Hk, D, w, T = 1, 4, 2, 8, 4, 11
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + 3, D, "elu1")
+    kw = dict(formulation="lolcats", sparse_cache=3, sinks=1)
+    with torch.no_grad():
+        _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
+                                    output_final_state=True, **kw)
+        shared = {name: t.clone() for name, t in _state_fields(state).items()}
+        alias = _state_fields(state)
+        steps(q[:, :, T:], k[:, :, T:], v[:, :, T:], wl, ll, state, **kw)
+        assert native_sparse_calls["ran"] >= 2
+    for name, before in shared.items():
+        assert torch.equal(alias[name], before), name
+
+
+def test_torch_sparse_step_where_the_kernel_does_not_apply(native_sparse_calls):
+    """The ``attention`` score (its sums change every step) and a padded new key are never offered to
+    the kernel; bf16 buffers and a sparse buffer of the wrong size are declined, the state untouched."""
+    B, H, Hk, D, w, T = 2, 4, 2, 8, 4, 9
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + 2, D, "elu1")
+    step = (q[:, :, T : T + 1], k[:, :, T : T + 1], v[:, :, T : T + 1])
+    kw = dict(formulation="lolcats", sparse_cache=3, sinks=1)
+
+    def prefill(**extra):
+        return hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
+                                output_final_state=True, **kw, **extra)[1]
+
+    with torch.no_grad():
+        hybrid_attention_step(*step, prefill(cache_score="attention"), wl, ll, inplace=True, **kw,
+                              cache_score="attention")
+        hybrid_attention_step(*step, prefill(), wl, ll, inplace=True, key_valid=torch.tensor([True, False]), **kw)
+        assert native_sparse_calls == {"ran": 0, "declined": 0}
+
+        half = prefill().to(dtype=torch.bfloat16)
+        broken = prefill()
+        broken.sparse.pend_k = broken.sparse.pend_k[:, :, :-1]
+        for state in (half, broken):
+            held = _state_fields(state)
+            assert cpu_step.sparse_step_in_place(*step, state, wl, ll, cpu_step.elu1) is None
+            assert state.seen == T and all(_state_fields(state)[name] is t for name, t in held.items())
+
+
 def test_kernel_checks_every_buffer_shape():
     """The kernel trusts its sizes: a state whose buffers disagree with q/k/v is declined, not read."""
     B, H, Hk, D, w = 1, 4, 2, 8, 4

@@ -235,6 +235,14 @@ def hybrid_attention_step(
                                      *resolve_qk_maps(feature_map))
         if out is not None:
             return out, state
+    if (inplace and key_valid is None and state.sparse is not None and cache_score != "attention"
+            and backend in ("auto", "chunked") and q.is_cpu and not torch.is_grad_enabled()):
+        # The sparse cache's step in a generation cache: native on the w - 1 of every w steps that close
+        # no block (the `attention` score keeps sums the kernel does not update).
+        out = cpu_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
+                                            resolve_qk_maps(feature_map)[0])
+        if out is not None:
+            return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
     _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)

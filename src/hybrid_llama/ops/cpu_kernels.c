@@ -7,6 +7,9 @@
  * and token, and inside a model each of them runs cold (the other layers evicted its code and data),
  * so the step costs its op count, not its arithmetic.
  *
+ * hybrid_sparse_step_f32: the same for the sparse cache's step (ops/sparse_decode.py), on the steps
+ * that close no block.
+ *
  * hybrid_prefill_f32: the parallel op over a range of positions, as the recurrence: per position,
  * fold the key leaving the window into S and z, then each query head's window softmax (the keys
  * read in place) and linear readout. Every intermediate is one position's (the scores, S and z of
@@ -331,6 +334,122 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
                 const float inv = 1.0f / (formulation == FORM_LOLCATS ? wa * win_sum + wb * den : wa + wb * den);
                 #pragma omp simd
                 for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + wb * num[d]) * inv;
+            }
+        }
+    }
+    return 0;
+}
+
+/* hybrid_sparse_step_f32: ops/sparse_decode.py's step with the sparse cache, in place, for the
+ * w - 1 of every w steps that close no block (the closing step evicts and folds in torch). The key
+ * leaving the window moves to its sink or pending slot with its validity, the new key takes the ring
+ * slot, and each query head attends the exact set (ring, sinks, cache, pending; slots not valid are
+ * skipped) and the linear state under lolcats' shared normalizer. Layouts as hybrid_step_f32, plus
+ * sink_k, sink_v [B, Hk, ns, D], sink_valid [B, ns]; pend_k, pend_v [B, Hk, w, D], pend_valid [B, w];
+ * cache_k, cache_v [B, Hk, lam, D], cache_valid [B, Hk, lam] (bytes). Only the query's feature map
+ * is needed here: keys enter S and z when a block closes. Returns -1, touching nothing, for a step
+ * that closes a block or arguments it does not cover. */
+int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, int lam, long long seen, int map,
+                           const float *q, const float *k, const float *v, float *k_win, float *v_win,
+                           unsigned char *win_valid, const float *S, const float *z, float *sink_k, float *sink_v,
+                           unsigned char *sink_valid, float *pend_k, float *pend_v, unsigned char *pend_valid,
+                           const float *cache_k, const float *cache_v, const unsigned char *cache_valid,
+                           const float *window_logit, const float *linear_logit, const float *wq, const float *bq,
+                           float *out) {
+    if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || F < 1 || F > MAX_F || ns < 0 || lam < 0
+        || 2 * w + ns + lam > MAX_W)
+        return -1;
+    if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
+        return -1;
+    const int g = H / Hk;
+    const int slot = (int)(seen % w);
+    int to_sink = -1, to_pend = -1;  /* where position seen - w goes as it leaves the ring */
+    if (seen >= w) {
+        const long long s = seen - w;
+        if (s < ns) {
+            to_sink = (int)s;
+        } else {
+            to_pend = (int)((s - ns) % w);
+            if (to_pend == w - 1)
+                return -1;
+        }
+    }
+    const float scale = 1.0f / sqrtf((float)D);
+    float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D];
+
+    for (int bi = 0; bi < B; bi++) {
+        unsigned char *ring_ok = win_valid + (size_t)bi * w;
+        if (to_sink >= 0) sink_valid[(size_t)bi * ns + to_sink] = ring_ok[slot];
+        if (to_pend >= 0) pend_valid[(size_t)bi * w + to_pend] = ring_ok[slot];
+        ring_ok[slot] = 1;
+        for (int kh = 0; kh < Hk; kh++) {
+            const size_t head = (size_t)bi * Hk + kh;
+            float *K = k_win + head * w * D, *V = v_win + head * w * D;
+            float *Ks = sink_k + head * ns * D, *Vs = sink_v + head * ns * D;
+            float *Kp = pend_k + head * w * D, *Vp = pend_v + head * w * D;
+            if (to_sink >= 0) {
+                memcpy(Ks + (size_t)to_sink * D, K + (size_t)slot * D, sizeof(float) * D);
+                memcpy(Vs + (size_t)to_sink * D, V + (size_t)slot * D, sizeof(float) * D);
+            }
+            if (to_pend >= 0) {
+                memcpy(Kp + (size_t)to_pend * D, K + (size_t)slot * D, sizeof(float) * D);
+                memcpy(Vp + (size_t)to_pend * D, V + (size_t)slot * D, sizeof(float) * D);
+            }
+            memcpy(K + (size_t)slot * D, k + head * D, sizeof(float) * D);
+            memcpy(V + (size_t)slot * D, v + head * D, sizeof(float) * D);
+
+            /* The exact set in the torch step's order: ring, sinks, cache, pending. */
+            const float *seg_k[4] = {K, Ks, cache_k + head * lam * D, Kp};
+            const float *seg_v[4] = {V, Vs, cache_v + head * lam * D, Vp};
+            const unsigned char *seg_ok[4] = {ring_ok, sink_valid + (size_t)bi * ns, cache_valid + head * lam,
+                                              pend_valid + (size_t)bi * w};
+            const int seg_n[4] = {w, ns, lam, w};
+            const float *Sh = S + head * F * D, *zh = z + head * F;
+            for (int j = 0; j < g; j++) {
+                const int h = kh * g + j;
+                const float *qh = q + ((size_t)bi * H + h) * D;
+                float *o = out + ((size_t)bi * H + h) * D;
+                float top = -INFINITY;
+                int i = 0;
+                for (int sg = 0; sg < 4; sg++) {
+                    for (int r = 0; r < seg_n[sg]; r++, i++) {
+                        if (!seg_ok[sg][r]) continue;
+                        const float *kr = seg_k[sg] + (size_t)r * D;
+                        float s = 0.0f;
+                        #pragma omp simd reduction(+ : s)
+                        for (int d = 0; d < D; d++) s += qh[d] * kr[d];
+                        scores[i] = s * scale;
+                        top = scores[i] > top ? scores[i] : top;
+                    }
+                }
+                float exact_sum = 0.0f;  /* sum_i exp(s_i - top) over the valid keys; >= 1 (the new key) */
+                memset(acc, 0, sizeof(float) * D);
+                i = 0;
+                for (int sg = 0; sg < 4; sg++) {
+                    for (int r = 0; r < seg_n[sg]; r++, i++) {
+                        if (!seg_ok[sg][r]) continue;
+                        const float e = exp_nonpos(scores[i] - top);
+                        const float *vr = seg_v[sg] + (size_t)r * D;
+                        exact_sum += e;
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) acc[d] += e * vr[d];
+                    }
+                }
+                feature_map(map, D, F, qh, wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), phi);
+                memset(num, 0, sizeof(float) * D);
+                float den = 0.0f;
+                for (int f = 0; f < F; f++) {
+                    const float pf = phi[f];
+                    const float *row = Sh + (size_t)f * D;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) num[d] += pf * row[d];
+                    den += pf * zh[f];
+                }
+                const float wa = 1.0f / (1.0f + expf(-window_logit[h]));
+                const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
+                const float inv = 1.0f / (wa * exact_sum + wb * den);
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = (wa * acc[d] + wb * num[d]) * inv;
             }
         }
     }

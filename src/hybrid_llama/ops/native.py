@@ -33,6 +33,7 @@ _I, _L, _P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
 # name -> (restype, argtypes) of every entry point, as cpu_kernels.c declares them
 SIGNATURES = {
     "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I] + [_P] * 15),
+    "hybrid_sparse_step_f32": (_I, [_I] * 8 + [_L, _I] + [_P] * 22),
     "hybrid_prefill_f32": (_I, [_I, _I, _I, _L, _I, _I, _I, _I, _I, _I, _P] + [_P, _L, _L, _L] * 3 + [_P] * 8
                            + [_P, _L, _L, _L, _P, _L]),
     "hybrid_native_threads": (_I, []),
