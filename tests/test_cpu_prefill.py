@@ -8,7 +8,7 @@ import ctypes
 
 import pytest
 import torch
-from op_inputs import trained_maps
+from op_inputs import count_calls, trained_maps
 
 from hybrid_llama.ops import cpu_prefill, hybrid_attention, hybrid_attention_step, native
 
@@ -28,17 +28,8 @@ def problem(B, H, Hk, T, D, fmap, seed=5, model_layout=False):
 
 @pytest.fixture
 def native_calls(monkeypatch):
-    """Counts the calls the kernel actually ran (hybrid_attention_cpu returning a result)."""
-    calls = {"ran": 0}
-    real = cpu_prefill.hybrid_attention_cpu
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["ran"] += out is not None
-        return out
-
-    monkeypatch.setattr(cpu_prefill, "hybrid_attention_cpu", counting)
-    return calls
+    """Counts the calls the kernel ran (hybrid_attention_cpu returning a result)."""
+    return count_calls(monkeypatch, cpu_prefill, "hybrid_attention_cpu")
 
 
 def assert_same_state(got, want, atol=1e-5):

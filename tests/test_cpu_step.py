@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from op_inputs import trained_maps
+from op_inputs import count_calls, trained_maps
 
 from hybrid_llama.ops import cpu_step, hybrid_attention, hybrid_attention_step, init_state, native
 from hybrid_llama.ops.state import prefill_state
@@ -25,17 +25,8 @@ def problem(B, H, Hk, T, D, fmap, seed=5):
 
 @pytest.fixture
 def native_calls(monkeypatch):
-    """Counts the steps the kernel actually ran (step_in_place returning an output)."""
-    calls = {"ran": 0, "declined": 0}
-    real = cpu_step.step_in_place
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["ran" if out is not None else "declined"] += 1
-        return out
-
-    monkeypatch.setattr(cpu_step, "step_in_place", counting)
-    return calls
+    """Counts the steps the kernel ran (step_in_place returning an output) and declined."""
+    return count_calls(monkeypatch, cpu_step, "step_in_place")
 
 
 def steps(q, k, v, wl, ll, state, **kw):
@@ -121,16 +112,7 @@ def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
 @pytest.fixture
 def native_sparse_calls(monkeypatch):
     """Counts the sparse steps the kernel ran and those it left to the torch step."""
-    calls = {"ran": 0, "declined": 0}
-    real = cpu_step.sparse_step_in_place
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls["ran" if out is not None else "declined"] += 1
-        return out
-
-    monkeypatch.setattr(cpu_step, "sparse_step_in_place", counting)
-    return calls
+    return count_calls(monkeypatch, cpu_step, "sparse_step_in_place")
 
 
 def _state_fields(state):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_prefill, cpu_step
+from . import cpu_prefill, cpu_sparse, cpu_step
 from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
@@ -197,6 +197,13 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
         return o, None
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         _fall_back("", "the triton kernels have no sparse cache")
+    if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
+            and cpu_sparse.covers(q, cache, kwargs["key_padding_mask"])):
+        done = cpu_sparse.hybrid_attention_sparse_cpu(q, k, v, window_logit, linear_logit, window=kwargs["window"],
+                                                      cache=cache, feature_map=kwargs["feature_map"],
+                                                      output_final_state=kwargs["output_final_state"])
+        if done is not None:
+            return done
     return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
 
 

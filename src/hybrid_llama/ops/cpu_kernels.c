@@ -246,6 +246,23 @@ static void feature_map(int map, int D, int F, const float *x, const float *W, c
     }
 }
 
+/* The linear readout of query head h: num [D] = phi(q) S and the return value phi(q) . z, with S [F, D]
+ * and z [F] of its KV head (phi [F]: scratch). */
+static float linear_readout(int map, int D, int F, int h, const float *qh, const float *wq, const float *bq,
+                            const float *Sh, const float *zh, float *phi, float *num) {
+    feature_map(map, D, F, qh, wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), phi);
+    memset(num, 0, sizeof(float) * D);
+    float den = 0.0f;
+    for (int f = 0; f < F; f++) {
+        const float pf = phi[f];
+        const float *row = Sh + (size_t)f * D;
+        #pragma omp simd
+        for (int d = 0; d < D; d++) num[d] += pf * row[d];
+        den += pf * zh[f];
+    }
+    return den;
+}
+
 /* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step). */
 int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
                     const float *q, const float *k, const float *v, float *k_win, float *v_win,
@@ -316,16 +333,7 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
                     for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
                     continue;
                 }
-                feature_map(map, D, F, qh, wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), phi);
-                memset(num, 0, sizeof(float) * D);  /* phi(q) S */
-                float den = 0.0f;                   /* phi(q) . z */
-                for (int f = 0; f < F; f++) {
-                    const float pf = phi[f];
-                    const float *row = Sh + (size_t)f * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) num[d] += pf * row[d];
-                    den += pf * zh[f];
-                }
+                const float den = linear_readout(map, D, F, h, qh, wq, bq, Sh, zh, phi, num);
                 /* lolcats: the window's unnormalised exp-scores share the normalizer with the linear
                  * part; hybrid: the window enters as its softmax average with normalizer a. */
                 const float wa = 1.0f / (1.0f + expf(-window_logit[h]));  /* sigmoid: the mixing weights */
@@ -435,16 +443,7 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
                         for (int d = 0; d < D; d++) acc[d] += e * vr[d];
                     }
                 }
-                feature_map(map, D, F, qh, wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), phi);
-                memset(num, 0, sizeof(float) * D);
-                float den = 0.0f;
-                for (int f = 0; f < F; f++) {
-                    const float pf = phi[f];
-                    const float *row = Sh + (size_t)f * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) num[d] += pf * row[d];
-                    den += pf * zh[f];
-                }
+                const float den = linear_readout(map, D, F, h, qh, wq, bq, Sh, zh, phi, num);
                 const float wa = 1.0f / (1.0f + expf(-window_logit[h]));
                 const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
                 const float inv = 1.0f / (wa * exact_sum + wb * den);
@@ -666,6 +665,165 @@ int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, i
         prefill_segment(B, H, Hk, D, w, F, formulation, map, bounds[s], bounds[s + 1], q, q_b, q_h, q_t, k, k_b, k_h,
                         k_t, v, v_b, v_h, v_t, wq, bq, wk, bk, wa, wb, S + s * S_size, z + s * z_size, out, o_b, o_h,
                         o_t, work + s * work_stride);
+    return 0;
+}
+
+/* hybrid_sparse_group_f32: the outputs of one group of queries t0 .. t1-1 of the sparse op
+ * (ops/sparse_cache.py: the queries that see the same J closed blocks), for inference without
+ * padding. Query t attends exactly the sinks that have left the window (positions p < ns with
+ * p <= t - w), the cache (its valid slots) and the positions lo_t .. t: block J's keys that have left
+ * the window, then the window, with lo_t = range_lo for J >= 1 (block J's start) and
+ * max(0, min(ns, t - w + 1)) for J = 0 (range_lo = 0); plus phi(q) S and phi(q) z over the J closed
+ * blocks, all under the shared normalizer. The block's closing (eviction and fold) stays in torch.
+ *
+ * Each (batch row, KV head) copies its group's keys once into the workspace, transposed
+ * ([sinks | cache | range] as columns), so a query's scores are D vector updates over 16 keys at a
+ * time for all the query heads that read it; values go through rows_times. Layouts: q, out
+ * [B, H, T, D] and k, v [B, Hk, T, D] strided as in hybrid_prefill_f32; cache_k, cache_v
+ * [B, Hk, lam, D] and cache_ok [B, Hk, lam] (bytes) contiguous; S [B, Hk, F, D], z [B, Hk, F]; wa, wb
+ * [H] mixing weights; Hedgehog query maps wq [H, D, F/2], bq [H, F/2]. work:
+ * hybrid_sparse_group_workspace(...) floats. */
+/* Columns of a group's key set: the sinks, the cache and a range of at most 2w + ns positions (group 0's
+ * range starts at 0), whole 16-key chunks. */
+static inline int sparse_group_columns(int w, int ns, int lam) { return (2 * ns + lam + 2 * w + 15) / 16 * 16 + 16; }
+
+long long hybrid_sparse_group_workspace(int B, int Hk, int g, int D, int F, int w, int ns, int lam, int threads) {
+    const long long ld = sparse_group_columns(w, ns, lam);
+    return (long long)B * Hk * ld * 2 * D + (long long)threads * (g * ld + ld + F + g * D);
+}
+
+static inline __attribute__((always_inline)) void group_scores(const int G, int n, int D, const float *const *qs,
+                                                               const float *KT, long long ld, float scale,
+                                                               float *const *dst) {
+    for (int c = 0; c < n; c += 16) {
+        vec16 acc[4];
+        for (int m = 0; m < G; m++) acc[m] = splat(0.0f);
+        for (int d = 0; d < D; d++) {
+            vec16 kv;
+            memcpy(&kv, KT + (size_t)d * ld + c, sizeof kv);
+            for (int m = 0; m < G; m++) acc[m] += splat(qs[m][d]) * kv;
+        }
+        for (int m = 0; m < G; m++) {
+            acc[m] *= splat(scale);
+            memcpy(dst[m] + c, &acc[m], sizeof acc[m]);
+        }
+    }
+}
+
+int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, int lam, long long T, long long t0,
+                            long long t1, long long range_lo, int map, int threads,
+                            const float *q, long long q_b, long long q_h, long long q_t,
+                            const float *k, long long k_b, long long k_h, long long k_t,
+                            const float *v, long long v_b, long long v_h, long long v_t,
+                            const float *cache_k, const float *cache_v, const unsigned char *cache_ok,
+                            const float *S, const float *z, const float *wa, const float *wb,
+                            const float *wq, const float *bq,
+                            float *out, long long o_b, long long o_h, long long o_t, float *work) {
+    if (B < 1 || Hk < 1 || H % Hk || H / Hk > MAX_G || D < TILE || D > MAX_D || D % TILE || w < 1 || F < 1
+        || F > MAX_F || ns < 0 || lam < 0 || threads < 1 || t0 < 0 || t1 > T || t0 >= t1 || range_lo < 0
+        || range_lo > t0 || t1 - range_lo > 2 * w + ns)
+        return -1;
+    if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
+        return -1;
+    const int g = H / Hk;
+    const int ld = sparse_group_columns(w, ns, lam);
+    const int n_sink = ns < T ? ns : (int)T;
+    const int base = n_sink + lam;  /* the range's first column */
+    const int n_range = (int)(t1 - range_lo);
+    const float scale = 1.0f / sqrtf((float)D);
+    const int BH = B * Hk;
+    float *keys = work, *thread_work = work + (size_t)BH * ld * 2 * D;
+    const long long per_thread = (long long)g * ld + ld + F + (long long)g * D;
+
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int bh = 0; bh < BH; bh++) {
+            const int bi = bh / Hk, kh = bh % Hk;
+            float *KT = keys + (size_t)bh * ld * 2 * D, *V = KT + (size_t)ld * D;
+            const float *kb = k + bi * k_b + kh * k_h, *vb = v + bi * v_b + kh * v_h;
+            const float *ck = cache_k + (size_t)bh * lam * D, *cv = cache_v + (size_t)bh * lam * D;
+            for (int i = 0; i < ld; i++) {
+                const float *kr = NULL, *vr = NULL;
+                if (i < n_sink) kr = kb + i * k_t, vr = vb + i * v_t;
+                else if (i < base) kr = ck + (size_t)(i - n_sink) * D, vr = cv + (size_t)(i - n_sink) * D;
+                else if (i < base + n_range) kr = kb + (range_lo + i - base) * k_t, vr = vb + (range_lo + i - base) * v_t;
+                for (int d = 0; d < D; d++) KT[(size_t)d * ld + i] = kr ? kr[d] : 0.0f;
+                if (vr) memcpy(V + (size_t)i * D, vr, sizeof(float) * D);
+                else memset(V + (size_t)i * D, 0, sizeof(float) * D);
+            }
+        }
+        #ifdef _OPENMP
+        float *mine = thread_work + (size_t)omp_get_thread_num() * per_thread;
+        #else
+        float *mine = thread_work;
+        #endif
+        float *scores = mine, *keep = scores + (size_t)g * ld, *phi = keep + ld, *acc = phi + F;
+        const long long nq = t1 - t0;
+        #pragma omp for schedule(static)
+        for (long long item = 0; item < BH * nq; item++) {
+            const int bh = (int)(item / nq), bi = bh / Hk, kh = bh % Hk;
+            const long long t = t0 + item % nq;
+            const float *KT = keys + (size_t)bh * ld * 2 * D, *V = KT + (size_t)ld * D;
+            const unsigned char *ok = cache_ok + (size_t)bh * lam;
+            const long long lo = range_lo > 0 ? range_lo : (t - w + 1 < n_sink ? (t - w + 1 > 0 ? t - w + 1 : 0) : n_sink);
+            const int n = base + (int)(t - range_lo) + 1;  /* columns up to position t */
+            /* keep[i]: 1 where column i is in query t's exact set */
+            for (int i = 0; i < n_sink; i++) keep[i] = i <= t - w ? 1.0f : 0.0f;
+            for (int i = 0; i < lam; i++) keep[n_sink + i] = ok[i] ? 1.0f : 0.0f;
+            for (int i = base; i < n; i++) keep[i] = range_lo + (i - base) >= lo ? 1.0f : 0.0f;
+            const int n16 = (n + 15) / 16 * 16;
+            for (int i = n; i < n16; i++) keep[i] = 0.0f;
+            const float *qs[MAX_G];
+            float *dst[MAX_G], *accs[MAX_G];
+            for (int j = 0; j < g; j++) {
+                qs[j] = q + bi * q_b + (kh * g + j) * q_h + t * q_t;
+                dst[j] = scores + (size_t)j * ld;
+                accs[j] = acc + (size_t)j * D;
+            }
+            for (int m = 0; m < g; m += 4) {
+                switch (g - m < 4 ? g - m : 4) {
+                    case 1: group_scores(1, n, D, qs + m, KT, ld, scale, dst + m); break;
+                    case 2: group_scores(2, n, D, qs + m, KT, ld, scale, dst + m); break;
+                    case 3: group_scores(3, n, D, qs + m, KT, ld, scale, dst + m); break;
+                    default: group_scores(4, n, D, qs + m, KT, ld, scale, dst + m); break;
+                }
+            }
+            float sums[MAX_G];
+            for (int j = 0; j < g; j++) {
+                float *sj = dst[j], top = -INFINITY;
+                for (int i = 0; i < n; i++)
+                    if (keep[i] != 0.0f && sj[i] > top) top = sj[i];
+                vec16 total = splat(0.0f);
+                for (int c = 0; c < n16; c += 16) {
+                    vec16 x, kp;
+                    memcpy(&x, sj + c, sizeof x);
+                    memcpy(&kp, keep + c, sizeof kp);
+                    x = x * kp + splat(top) * (splat(1.0f) - kp);  /* a dropped key may score above top */
+                    const vec16 e = exp_nonpos16(x - splat(top)) * kp;
+                    memcpy(sj + c, &e, sizeof e);
+                    total += e;
+                }
+                sums[j] = lane_sum(total);
+            }
+            for (int c = 0; c < D; c += TILE) {
+                float *cols[MAX_G];
+                for (int j = 0; j < g; j++) cols[j] = accs[j] + c;
+                rows_times_all(g, n, (const float *const *)dst, V + c, D, 1.0f, cols);
+            }
+            const float *Sh = S + (size_t)bh * F * D, *zh = z + (size_t)bh * F;
+            for (int j = 0; j < g; j++) {
+                const int h = kh * g + j;
+                float num[MAX_D];
+                const float den = linear_readout(map, D, F, h, qs[j], wq, bq, Sh, zh, phi, num);
+                float *o = out + bi * o_b + h * o_h + t * o_t;
+                const float total = wa[h] * sums[j] + wb[h] * den;
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + wb[h] * num[d]) * inv;
+            }
+        }
+    }
     return 0;
 }
 

@@ -4,8 +4,9 @@ through ctypes.
 The build runs ``$CC`` (else ``cc``) and is kept under ``$HYBRID_LLAMA_KERNEL_CACHE`` (default
 ``~/.cache/hybrid_llama/kernels``), keyed by the source, the flags and this CPU, so a cluster node
 never loads a build made for another CPU. Without a compiler the torch paths run instead (logged
-once); ``HYBRID_LLAMA_NATIVE=0`` turns the kernels off. ``cpu_step`` (the decode step) and
-``cpu_prefill`` (the parallel op) decide when a call is covered; this module only builds and loads.
+once); ``HYBRID_LLAMA_NATIVE=0`` turns the kernels off. ``cpu_step`` (the decode steps),
+``cpu_prefill`` (the parallel op) and ``cpu_sparse`` (the sparse cache's parallel op) decide when a
+call is covered; this module only builds and loads.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ _I, _L, _P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
 SIGNATURES = {
     "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I] + [_P] * 15),
     "hybrid_sparse_step_f32": (_I, [_I] * 8 + [_L, _I] + [_P] * 22),
+    "hybrid_sparse_group_f32": (_I, [_I] * 8 + [_L] * 4 + [_I, _I] + [_P, _L, _L, _L] * 3 + [_P] * 9
+                                + [_P, _L, _L, _L, _P]),
+    "hybrid_sparse_group_workspace": (_L, [_I] * 9),
     "hybrid_prefill_f32": (_I, [_I, _I, _I, _L, _I, _I, _I, _I, _I, _I, _P] + [_P, _L, _L, _L] * 3 + [_P] * 8
                            + [_P, _L, _L, _L, _P, _L]),
     "hybrid_native_threads": (_I, []),

@@ -80,11 +80,13 @@ def random_scores(pos: Tensor, kv_heads: int) -> Tensor:
 
 
 def candidate_scores(
-    rule: str, k: Tensor, v: Tensor, pos: Tensor, acc: Tensor | None, S: Tensor, z: Tensor, phi_k
+    rule: str, k: Tensor, v: Tensor, pos: Tensor, acc: Tensor | None, S: Tensor, z: Tensor, phi_k,
+    fk: Tensor | None = None,
 ) -> Tensor:
-    """Scores ``[B, Hk, N]`` of candidates k/v ``[B, Hk, N, D]`` at positions ``pos``: higher stays."""
+    """Scores ``[B, Hk, N]`` of candidates k/v ``[B, Hk, N, D]`` at positions ``pos``: higher stays.
+    ``fk``: ``phi_k(k)`` where the caller has it."""
     if rule == "sre":
-        fk = phi_k(k.float())  # [B, Hk, N, F]
+        fk = phi_k(k.float()) if fk is None else fk  # [B, Hk, N, F]
         recall = torch.matmul(fk, S) / (torch.matmul(fk, z.unsqueeze(-1)) + SRE_EPS)
         return (v.float() - recall).norm(dim=-1)
     if rule == "random":
@@ -108,15 +110,16 @@ def close_block(
 
     Candidates ``[B, Hk, N, ...]`` come in position order with empty/padding slots invalid. Returns
     (index of the kept candidates in position order ``[B, Hk, size]``, their validity, S', z')."""
+    fk = phi_k(cand_k.float())  # the score's (sre) and the fold's: one feature map per candidate
     with torch.no_grad():
-        score = candidate_scores(rule, cand_k, cand_v, cand_pos, cand_acc, S, z, phi_k)
+        score = candidate_scores(rule, cand_k, cand_v, cand_pos, cand_acc, S, z, phi_k, fk.detach())
         score = score.masked_fill(~cand_valid, float("-inf"))
         best = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :size]
         kept_pos = cand_pos.gather(-1, best).masked_fill(~cand_valid.gather(-1, best), torch.iinfo(torch.long).max)
         keep = best.gather(-1, kept_pos.argsort(dim=-1, stable=True))
         kept = torch.zeros_like(cand_valid).scatter_(-1, keep, True)
     fold = (cand_valid & ~kept).unsqueeze(-1)
-    fk = phi_k(cand_k.float()) * fold
+    fk = fk * fold
     S = S + torch.matmul(fk.transpose(-1, -2), cand_v.float())
     z = z + fk.sum(dim=2)
     return keep, cand_valid.gather(-1, keep), S, z
@@ -240,11 +243,11 @@ def hybrid_attention_sparse(
     final = None
     if output_final_state:
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
-        final = _final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc)
+        final = sparse_final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc)
     return (out, final, torch.cat(shares, dim=2)) if return_shares else (out, final)
 
 
-def _final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc):
+def sparse_final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc):
     """The decode state after T tokens: ring, sinks, pending block, cache and the folded sums."""
     B, Hk, _, D = k.shape
     ns = cache.sinks

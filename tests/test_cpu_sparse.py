@@ -1,0 +1,102 @@
+"""The sparse cache's native prefill (ops/cpu_kernels.c's hybrid_sparse_group_f32, ops/cpu_sparse.py):
+equal to the torch sparse op and to the naive O(T^2) one, the same keys cached, continued by the
+decode steps, and out of the way wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from op_inputs import count_calls, trained_maps
+
+from hybrid_llama.ops import cpu_sparse, hybrid_attention, hybrid_attention_step, native
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
+
+
+def problem(B, H, Hk, T, D, fmap, seed=3):
+    """q, k, v as a model makes them (views of [B, T, heads, D]), logits and the map."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, h, D, generator=g).transpose(1, 2) for h in (H, Hk, Hk))
+    wl, ll = 2 * torch.randn(H, generator=g), 2 * torch.randn(H, generator=g)
+    return q, k, v, wl, ll, trained_maps(H, Hk, D) if fmap == "hedgehog" else "elu1"
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the calls the kernel ran (hybrid_attention_sparse_cpu returning a result)."""
+    return count_calls(monkeypatch, cpu_sparse, "hybrid_attention_sparse_cpu")
+
+
+def assert_same_state(got, want):
+    assert got.seen == want.seen
+    for name in ("k_window", "v_window", "window_valid", "S", "z"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, msg=name)
+    for name in vars(want.sparse):
+        torch.testing.assert_close(getattr(got.sparse, name), getattr(want.sparse, name), atol=1e-5, rtol=1e-5,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("score", ["sre", "random"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("shape", [  # B, H, Hk, T, D, w, cache size, sinks
+    (2, 4, 2, 150, 64, 8, 6, 2), (1, 9, 3, 300, 64, 64, 128, 4), (1, 3, 3, 97, 128, 16, 0, 3),
+    (1, 2, 1, 40, 64, 8, 5, 0), (1, 6, 2, 21, 64, 8, 4, 10),
+])
+def test_matches_the_torch_and_naive_sparse_op(score, fmap, shape, native_calls):
+    """Outputs equal the torch path's and the naive op's, and the decode state (ring, sinks, pending
+    block, cache and its positions, S and z) the torch path's: for GQA, a batch of 2, D = 128, no
+    cache, no sinks, more sinks than a window, and prompts that end inside the first group."""
+    B, H, Hk, T, D, w, size, sinks = shape
+    q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, fmap)
+    kw = dict(window=w, formulation="lolcats", feature_map=feature, sparse_cache=size, sinks=sinks, cache_score=score)
+    with torch.no_grad():
+        got, state = hybrid_attention(q, k, v, wl, ll, backend="chunked", output_final_state=True, **kw)
+        assert native_calls["ran"] == 1
+        want, want_state = hybrid_attention(q, k, v, wl, ll, backend="torch", output_final_state=True, **kw)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, naive, atol=2e-6, rtol=1e-5)
+    assert_same_state(state, want_state)
+    assert torch.equal(state.sparse.cache_pos, want_state.sparse.cache_pos)
+
+
+def test_decode_continues_the_native_prefill(native_calls):
+    """A native prefill's state, then native decode steps across closing blocks, equal the naive op
+    over the whole sequence."""
+    B, H, Hk, D, w, T, n = 1, 6, 2, 64, 8, 45, 30
+    q, k, v, wl, ll, feature = problem(B, H, Hk, T + n, D, "hedgehog", seed=7)
+    kw = dict(formulation="lolcats", feature_map=feature, sparse_cache=5, sinks=2)
+    with torch.no_grad():
+        _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
+                                    output_final_state=True, **kw)
+        outs = []
+        for t in range(T, T + n):
+            o, state = hybrid_attention_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state, wl, ll,
+                                             inplace=True, **kw)
+            outs.append(o)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
+    assert native_calls["ran"] == 1
+    torch.testing.assert_close(torch.cat(outs, 2), naive[:, :, T:], atol=2e-6, rtol=1e-5)
+
+
+def test_torch_path_where_the_kernel_does_not_apply(native_calls, monkeypatch):
+    """The attention score, padding, autograd, the shares, D = 32, the torch backend and
+    HYBRID_LLAMA_NATIVE=0 all take the torch path, with its results."""
+    B, H, Hk, T, D, w = 2, 4, 2, 40, 64, 8
+    q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, "elu1")
+    kw = dict(window=w, formulation="lolcats", sparse_cache=4, sinks=1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3] = False
+    with torch.no_grad():
+        hybrid_attention(q, k, v, wl, ll, **kw, cache_score="attention")
+        hybrid_attention(q, k, v, wl, ll, **kw, key_padding_mask=mask)
+        hybrid_attention(q[..., :32], k[..., :32], v[..., :32], wl, ll, **kw)
+        hybrid_attention(q, k, v, wl, ll, **kw, backend="torch")
+        monkeypatch.setenv("HYBRID_LLAMA_NATIVE", "0")
+        off, _ = hybrid_attention(q, k, v, wl, ll, **kw)
+        monkeypatch.delenv("HYBRID_LLAMA_NATIVE")
+        on, _ = hybrid_attention(q, k, v, wl, ll, **kw)
+    with torch.enable_grad():
+        hybrid_attention(q.requires_grad_(), k, v, wl, ll, **kw)
+    assert native_calls["ran"] == 1  # only `on`
+    torch.testing.assert_close(on, off, atol=2e-6, rtol=1e-5)
