@@ -90,7 +90,6 @@ def hybrid_attention_sparse_cpu(
             keep, cache_ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k)
             cache_pos = cand_pos.gather(-1, keep)
             cache_k, cache_v = gather_slots(cand_k, keep), gather_slots(cand_v, keep)
-            cache_ok = cache_ok.contiguous()
     final = None
     if output_final_state:
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
