@@ -1,5 +1,6 @@
 """nn.Modules of hybrid attention (see docs/design.md, "layers / models")."""
 
+from .append_kv_cache import AppendKVCacheLayer, append_kv_cache_layer, append_kv_in_place
 from .hybrid_attention import (
     Elu1FeatureMap,
     HybridCacheLayer,
@@ -13,6 +14,9 @@ from .hybrid_attention import (
 )
 
 __all__ = [
+    "AppendKVCacheLayer",
+    "append_kv_cache_layer",
+    "append_kv_in_place",
     "Elu1FeatureMap",
     "HybridCacheLayer",
     "HybridConfig",
