@@ -41,7 +41,7 @@ class AppendKVCacheLayer(DynamicLayer):
     def taking_over(cls, layer: DynamicLayer) -> AppendKVCacheLayer:
         """This layer with ``layer``'s contents (its tensors become the buffer, nothing is copied)."""
         new = cls()
-        new.__dict__.update({k: v for k, v in layer.__dict__.items() if k not in ("_k_buffer", "_v_buffer")})
+        new.__dict__.update(layer.__dict__)
         new._adopt_views()
         return new
 
@@ -64,7 +64,7 @@ class AppendKVCacheLayer(DynamicLayer):
             self._adopt_views()
             return out
         n, t = self.get_seq_length(), key_states.shape[-2]
-        if n == 0 or self._k_buffer is None or n + t > self._k_buffer.shape[-2]:
+        if n == 0 or n + t > self._k_buffer.shape[-2]:  # _adopt_views left a buffer wherever n > 0
             self._grow(n, n + t, key_states, value_states)
         self._k_buffer[..., n : n + t, :].copy_(key_states)
         self._v_buffer[..., n : n + t, :].copy_(value_states)
