@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from op_inputs import count_calls, trained_maps
 from test_models import greedy, randomize_hybrid_params
 
 from hybrid_llama.layers import HybridCacheLayer
@@ -17,8 +18,10 @@ from hybrid_llama.ops import (
     hybrid_attention,
     hybrid_attention_step,
     init_sparse_state,
+    sparse_batched,
 )
-from hybrid_llama.ops.sparse_cache import random_scores
+from hybrid_llama.ops.sparse_batched import hybrid_attention_sparse_batched
+from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse, random_scores
 from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
 
 
@@ -107,6 +110,70 @@ def test_fast_path_and_reference_match_naive(T, w, size, sinks, score, padded):
     torch.testing.assert_close(fast, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(ref, want, atol=2e-5, rtol=1e-4)
     assert state.sparse is not None and state.seen == T
+
+
+# Prompts that end before the first group (T <= sinks + w - 1), inside it, on a group's last position
+# and past several closes; without a cache, without sinks, a wider window.
+BATCHED_CASES = [  # T, window, size, sinks, score
+    (70, 8, 6, 2, "sre"), (61, 8, 5, 3, "random"), (45, 8, 0, 3, "sre"), (88, 8, 6, 0, "sre"),
+    (9, 8, 4, 2, "sre"), (10, 8, 4, 2, "sre"), (65, 8, 4, 2, "random"), (40, 16, 4, 1, "sre"),
+]
+SPARSE_PATHS = {"loop": hybrid_attention_sparse, "batched": hybrid_attention_sparse_batched}
+
+
+def _same_sparse_state(got, want):
+    assert got.seen == want.seen
+    for name in vars(want.sparse):
+        torch.testing.assert_close(getattr(got.sparse, name), getattr(want.sparse, name), atol=1e-5, rtol=1e-5,
+                                   msg=name)
+    for name in ("k_window", "v_window", "window_valid", "S", "z"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("T,w,size,sinks,score", BATCHED_CASES)
+def test_batched_and_loop_paths_match_naive(T, w, size, sinks, score):
+    """Both torch paths of the sparse op (one group per iteration, and the evictions first, then every
+    group in one batched product) against the naive transcription, with the same decode state."""
+    q, k, v, wl, ll = make(T=T)
+    want = naive_sparse(q, k, v, wl, ll, window=w, size=size, sinks=sinks, score=score)
+    states = {}
+    for name, op in SPARSE_PATHS.items():
+        got, states[name] = op(q, k, v, wl, ll, window=w, cache=SparseCacheConfig(size, sinks, score),
+                               output_final_state=True)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=name)
+    assert states["batched"].sparse is not None
+    _same_sparse_state(states["batched"], states["loop"])
+
+
+@pytest.mark.parametrize("T,w,size,sinks,score", BATCHED_CASES)
+def test_batched_gradients_match_the_loop(T, w, size, sinks, score):
+    """Gradients of q, k, v, the mixing logits and both Hedgehog maps' W and b (GQA: key map at the
+    KV heads) through the batched path equal the loop's, which autograd follows op by op."""
+    q, k, v, wl, ll = make(T=T)
+    grads = {}
+    for name, op in SPARSE_PATHS.items():
+        maps = trained_maps(4, 2, 8)
+        xs = [x.clone().requires_grad_() for x in (q, k, v, wl, ll)]
+        out, _ = op(*xs, window=w, cache=SparseCacheConfig(size, sinks, score), feature_map=maps)
+        (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        grads[name] = [x.grad for x in xs] + [p.grad for m in maps for p in (m.weight, m.bias)]
+    for got, want in zip(grads["batched"], grads["loop"]):
+        if got is None:  # before any close the key map is not read, nor before the first group anything but SDPA
+            assert want is None or (T <= sinks + w - 1 and want.abs().max() < 1e-5)  # the loop: a * s / (a * s)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_training_takes_the_batched_path(monkeypatch):
+    """Under autograd without padding, the op runs the batched path (the native one needs no_grad);
+    with a padding mask it keeps the loop."""
+    calls = count_calls(monkeypatch, sparse_batched, "hybrid_attention_sparse_batched")
+    q, k, v, wl, ll = (x.requires_grad_() for x in make(T=40))
+    kw = dict(window=8, formulation="lolcats", sparse_cache=4, sinks=2)
+    hybrid_attention(q, k, v, wl, ll, **kw)[0].sum().backward()
+    assert calls["ran"] == 1
+    hybrid_attention(q, k, v, wl, ll, key_padding_mask=padding(2, 40), **kw)
+    assert calls["ran"] == 1
 
 
 @pytest.mark.parametrize("T,w,size,sinks,score,padded", CASES)

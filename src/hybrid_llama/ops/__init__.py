@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu_prefill, cpu_sparse, cpu_step
+from . import cpu_prefill, cpu_sparse, cpu_step, sparse_batched
 from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
@@ -204,6 +204,10 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
                                                       output_final_state=kwargs["output_final_state"])
         if done is not None:
             return done
+    if sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
+        return sparse_batched.hybrid_attention_sparse_batched(
+            q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
+            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"])
     return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
 
 

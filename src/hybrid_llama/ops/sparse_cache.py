@@ -19,10 +19,12 @@ candidate against the state before the block is folded; ``random``, a fixed hash
 KV head); ``attention``, the softmax weight each key has received from the queries so far
 (summed over the query heads that read it), as in H2O.
 
-This module holds the fast torch path: one loop over the blocks, each step attending one group of
-queries and then closing one block, with every tensor batched over (batch, KV heads). The literal
-per-token simulation that it is tested against lives in ``sparse_reference``; the recurrent step in
-``sparse_decode``.
+This module holds the general torch path: one loop over the blocks, each step attending one group of
+queries and then closing one block, with every tensor batched over (batch, KV heads); it covers
+padding, the ``attention`` score and the normalizer's shares. Without those, ``sparse_batched``
+computes the same op with every group in one product (training takes it), and ``cpu_sparse``
+natively (CPU inference). The literal per-token simulation they are tested against lives in
+``sparse_reference``; the recurrent step in ``sparse_decode``.
 """
 
 from __future__ import annotations

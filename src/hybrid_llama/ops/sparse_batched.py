@@ -1,0 +1,209 @@
+"""The sparse cache's parallel op as two passes: the evictions first, then every group at once.
+
+Which keys a query reads exactly and which it reads through the linear state depends on the
+evictions, and they are chosen without gradients (``close_block`` scores under ``no_grad``). Once
+they are known, the op is fixed masks and sums: a key is exact for every query before the group
+that follows its fold, and linear from there on. So:
+
+1. ``plan_evictions``: the block loop of ``sparse_cache`` with nothing but the closes in it, without
+   autograd. It records, per group, the cached positions, and per close, the w positions it folds.
+2. One batched pass over the groups, differentiable: each group's exact keys ``[sinks | cache |
+   slab]`` are gathered into one tensor (the slab is the 2w - 1 positions from block J's start,
+   under a fixed causal band), scores and products run as one batched matmul for all groups, and
+   the state each group reads is an exclusive prefix sum of the folds' increments.
+
+The queries before the first group (positions < sinks + w - 1) read every earlier key exactly:
+causal softmax, SDPA's. The loop in ``sparse_cache`` attends one group per iteration with about 40
+tensor ops; under autograd each is a node of the backward too, and their number, not the arithmetic,
+is what made the cache-active distillation slower than the plain one (docs/performance.md). Same
+semantics, same evictions (the same ``close_block`` calls on the same values). Covered: no padding
+mask, the ``sre`` and ``random`` scores; the ``attention`` score needs every query's weights before
+each close, so it keeps the loop, as padding and the normalizer's shares do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from .gqa import expand_kv
+from .reference import mixing_weights
+from .sparse_cache import close_block, gather_slots, sparse_final_state
+from .state import HybridState, init_state
+
+GROUPS_PER_SLAB = 32  # groups attended per batched product: bounds the scores' memory at long prompts
+
+
+def covers(cache, key_padding_mask: Tensor | None, return_shares: bool) -> bool:
+    """Whether :func:`hybrid_attention_sparse_batched` takes these options."""
+    return key_padding_mask is None and cache.score != "attention" and not return_shares
+
+
+@dataclass
+class Evictions:
+    """What ``plan_evictions`` decided for a prompt of T tokens, G uniform groups (see the module doc).
+
+    ``cache_pos``/``cache_ok`` ``[B, Hk, G, λ]``: the cached positions each group reads; ``fold_pos``/
+    ``fold_ok`` ``[B, Hk, G - 1, w]``: the positions close J folds into the state (after group J);
+    ``S, z`` and ``final_pos``/``final_ok`` ``[B, Hk, λ]``: the sums and the cache after the last close
+    (what the decode state continues from)."""
+
+    cache_pos: Tensor
+    cache_ok: Tensor
+    fold_pos: Tensor
+    fold_ok: Tensor
+    S: Tensor
+    z: Tensor
+    final_pos: Tensor
+    final_ok: Tensor
+
+
+def first_group_start(window: int, sinks: int) -> int:
+    """Position of the first query that can see a closed block's successor group (``group_bounds``'
+    group 0 ends at sinks + 2w - 1): queries before it read every earlier key exactly."""
+    return sinks + window - 1
+
+
+@torch.no_grad()
+def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k) -> Evictions:
+    """The closes of ``sparse_cache``'s block loop (same calls, same values), recorded per group.
+    k/v ``[B, Hk, T, D]`` fp32."""
+    B, Hk, _, D = k.shape
+    w, lam, ns = window, cache.size, cache.sinks
+    G = -(-(T - first_group_start(w, ns)) // w)
+    Fd = phi_k(k[:, :, :1]).shape[-1]
+    S, z = k.new_zeros(B, Hk, Fd, D), k.new_zeros(B, Hk, Fd)
+    idx = torch.zeros(B, Hk, lam, dtype=torch.long, device=k.device)
+    ok = torch.zeros(B, Hk, lam, dtype=torch.bool, device=k.device)
+    cache_pos, cache_ok, fold_pos, fold_ok = [idx], [ok], [], []
+    every_head = torch.ones(B, Hk, w, dtype=torch.bool, device=k.device)
+    for J in range(G - 1):  # close J runs between group J and group J + 1
+        blk = torch.arange(ns + J * w, ns + (J + 1) * w, device=k.device).view(1, 1, w).expand(B, Hk, w)
+        cand_pos = torch.cat([idx, blk], -1)
+        cand_ok = torch.cat([ok, every_head], -1)
+        cand_k, cand_v = gather_slots(k, cand_pos), gather_slots(v, cand_pos)
+        keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k)
+        folded = cand_ok & ~torch.zeros_like(cand_ok).scatter_(-1, keep, True)
+        # At most w of the λ + w candidates fold (λ stay); in position order, padded with invalid slots.
+        order = (~folded).to(torch.int8).argsort(dim=-1, stable=True)[..., :w]
+        fold_pos.append(cand_pos.gather(-1, order))
+        fold_ok.append(folded.gather(-1, order))
+        idx = cand_pos.gather(-1, keep)
+        cache_pos.append(idx)
+        cache_ok.append(ok)
+    empty = torch.zeros(B, Hk, 0, w, dtype=torch.long, device=k.device)
+    return Evictions(
+        torch.stack(cache_pos, 2), torch.stack(cache_ok, 2),
+        torch.stack(fold_pos, 2) if fold_pos else empty, torch.stack(fold_ok, 2) if fold_ok else empty.bool(),
+        S, z, idx, ok,
+    )
+
+
+def _gather_groups(x: Tensor, pos: Tensor) -> Tensor:
+    """``x`` ``[B, Hk, T, D]`` at ``pos`` ``[B, Hk, G, N]`` -> ``[B, Hk, G, N, D]``."""
+    B, Hk, G, N = pos.shape
+    flat = pos.reshape(B, Hk, G * N, 1).expand(-1, -1, -1, x.shape[-1])
+    return x.gather(2, flat).view(B, Hk, G, N, x.shape[-1])
+
+
+def _per_group(x: Tensor, kv_heads: int, g: int, w: int) -> Tensor:
+    """Query-head rows ``[B, H, G * w, X]`` -> ``[B, Hk, G, g * w, X]``: a group's g query heads stacked."""
+    B, _, n, X = x.shape
+    return x.reshape(B, kv_heads, g, n // w, w, X).transpose(2, 3).reshape(B, kv_heads, n // w, g * w, X)
+
+
+def _from_groups(y: Tensor, g: int, w: int) -> Tensor:
+    """The inverse of :func:`_per_group`: ``[B, Hk, G, g * w, X]`` -> ``[B, H, G * w, X]``."""
+    B, Hk, G, _, X = y.shape
+    return y.view(B, Hk, G, g, w, X).transpose(2, 3).reshape(B, Hk * g, G * w, X)
+
+
+def hybrid_attention_sparse_batched(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    window: int,
+    cache,
+    feature_map: FeatureMap = "elu1",
+    output_final_state: bool = False,
+) -> tuple[Tensor, HybridState | None]:
+    """``(o, final_state)`` of the sparse-cache op (``lolcats`` formulation, no padding, the ``sre`` or
+    ``random`` score): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``; what ``hybrid_attention_sparse``
+    returns, with autograd through the attention, the folds and the feature maps."""
+    if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
+        k, v = expand_kv(q, k, v)
+    B, H, T, D = q.shape
+    Hk, w, ns = k.shape[1], window, cache.sinks
+    g = H // Hk
+    phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    p0 = min(first_group_start(w, ns), T)
+    # Before the first group every earlier key is exact (no block has closed): causal softmax.
+    head = F.scaled_dot_product_attention(qf[:, :, :p0], kf[:, :, :p0], vf[:, :, :p0], is_causal=True,
+                                          enable_gqa=g > 1)
+    plan = plan_evictions(kf.detach(), vf.detach(), T, w, cache, phi_k_map) if T > p0 or output_final_state else None
+    outs = [head]
+    if T > p0:
+        G = plan.cache_pos.shape[2]
+        Tp = p0 + G * w
+        qp, kp, vp = (F.pad(x, (0, 0, 0, Tp - T)) for x in (qf, kf, vf))
+        # The linear state each group reads: the increments phi(k)^T [v, 1] of the folds before it.
+        if G > 1:
+            fk = phi_k_map(_gather_groups(kf, plan.fold_pos).flatten(2, 3)).unflatten(2, (G - 1, w))
+            fk = fk * plan.fold_ok.unsqueeze(-1)
+            fv = _gather_groups(vf, plan.fold_pos)
+            inc = torch.matmul(fk.transpose(-1, -2), torch.cat([fv, torch.ones_like(fv[..., :1])], -1))
+            states = F.pad(inc.cumsum(dim=2), (0, 0, 0, 0, 1, 0))  # [B, Hk, G, F, D + 1], exclusive
+        else:
+            Fd = phi_k_map(kf[:, :, :1]).shape[-1]
+            states = kf.new_zeros(B, Hk, 1, Fd, D + 1)
+        a, b = mixing_weights(window_logit, linear_logit)
+        a, b = a.view(1, Hk, 1, g, 1, 1), b.view(1, Hk, 1, g, 1, 1)
+        scale = 1.0 / math.sqrt(D)
+        # Slot c of group J's slab is position sinks + J w + c; query row i is sinks + (J + 1) w - 1 + i.
+        band = torch.arange(2 * w - 1, device=q.device)[None] <= torch.arange(w, device=q.device)[:, None] + w - 1
+        band_bias = torch.zeros(g * w, 2 * w - 1, device=q.device).masked_fill_(~band.repeat(g, 1), float("-inf"))
+        sink_k, sink_v = kf[:, :, None, :ns], vf[:, :, None, :ns]
+        # Slab J covers [sinks + J w, sinks + (J + 2) w - 1): overlapping windows of the keys from the sinks on.
+        slab_k = kp[:, :, ns:].unfold(2, 2 * w - 1, w).transpose(-1, -2)  # [B, Hk, G, 2w - 1, D] (a view)
+        slab_v = vp[:, :, ns:].unfold(2, 2 * w - 1, w).transpose(-1, -2)
+        for s0 in range(0, G, GROUPS_PER_SLAB):
+            s1 = min(G, s0 + GROUPS_PER_SLAB)
+            n = s1 - s0
+            pos = plan.cache_pos[:, :, s0:s1]
+            keys = torch.cat([sink_k.expand(-1, -1, n, -1, -1), _gather_groups(kf, pos), slab_k[:, :, s0:s1]], 3)
+            vals = torch.cat([sink_v.expand(-1, -1, n, -1, -1), _gather_groups(vf, pos), slab_v[:, :, s0:s1]], 3)
+            # The mask as an additive bias, fused into the scores' product (no gradient flows to it).
+            bias = torch.cat([
+                band_bias.new_zeros(1, 1, 1, 1, ns).expand(B, Hk, n, g * w, ns),
+                torch.where(plan.cache_ok[:, :, s0:s1, None], 0.0, float("-inf")).expand(-1, -1, -1, g * w, -1),
+                band_bias.expand(B, Hk, n, -1, -1),
+            ], -1)
+            qs = qp[:, :, p0 + s0 * w : p0 + s1 * w]
+            rows = B * Hk * n
+            scores = torch.baddbmm(bias.view(rows, g * w, -1), _per_group(qs, Hk, g, w).reshape(rows, g * w, D),
+                                   keys.reshape(rows, -1, D).transpose(1, 2), alpha=scale)
+            # Every row keeps its own key, so none is empty. The shared normalizer weighs the sum
+            # sum_j exp(s_j - max s) = 1 / max_j p_j (as in `chunked`): one fused softmax gives both.
+            p = torch.softmax(scores, dim=-1)
+            exact_sum = (1.0 / p.amax(dim=-1, keepdim=True)).view(B, Hk, n, g, w, 1)
+            exact_avg = torch.bmm(p, vals.reshape(rows, -1, D)).view(B, Hk, n, g, w, D)
+            lin = torch.matmul(_per_group(phi_q_map(qs), Hk, g, w), states[:, :, s0:s1]).unflatten(3, (g, w))
+            w_win = exact_sum * a
+            out = torch.addcmul(exact_avg * w_win, lin[..., :D], b) / torch.addcmul(w_win, lin[..., D:], b)
+            outs.append(_from_groups(out.flatten(3, 4), g, w))
+    out = torch.cat(outs, dim=2)[:, :, :T].to(q.dtype)
+    final = None
+    if output_final_state:
+        final = init_state(B, Hk, D, w, feature_dim=plan.S.shape[-2], device=q.device, dtype=k.dtype)
+        real = torch.ones(B, T, dtype=torch.bool, device=q.device)
+        final = sparse_final_state(final, k, v, real, T, w, cache, plan.S, plan.z, plan.final_pos, plan.final_ok, None)
+    return out, final
