@@ -33,7 +33,7 @@ from torch import Tensor
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .gqa import expand_kv
 from .reference import mixing_weights
-from .sparse_cache import close_block, gather_slots, sparse_final_state
+from .sparse_cache import close_block, folded_candidates, gather_slots, sparse_final_state
 from .state import HybridState, init_state
 
 GROUPS_PER_SLAB = 32  # groups attended per batched product: bounds the scores' memory at long prompts
@@ -64,8 +64,8 @@ class Evictions:
 
 
 def first_group_start(window: int, sinks: int) -> int:
-    """Position of the first query that can see a closed block's successor group (``group_bounds``'
-    group 0 ends at sinks + 2w - 1): queries before it read every earlier key exactly."""
+    """Where the first group of w queries starts (its last query is the last before block 0 closes,
+    at sinks + 2w - 1, as in ``group_bounds``); queries before it read every earlier key exactly."""
     return sinks + window - 1
 
 
@@ -88,7 +88,7 @@ def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k) -> E
         cand_ok = torch.cat([ok, every_head], -1)
         cand_k, cand_v = gather_slots(k, cand_pos), gather_slots(v, cand_pos)
         keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k)
-        folded = cand_ok & ~torch.zeros_like(cand_ok).scatter_(-1, keep, True)
+        folded = folded_candidates(cand_ok, keep)
         # At most w of the λ + w candidates fold (λ stay); in position order, padded with invalid slots.
         order = (~folded).to(torch.int8).argsort(dim=-1, stable=True)[..., :w]
         fold_pos.append(cand_pos.gather(-1, order))
@@ -162,9 +162,8 @@ def hybrid_attention_sparse_batched(
             fv = _gather_groups(vf, plan.fold_pos)
             inc = torch.matmul(fk.transpose(-1, -2), torch.cat([fv, torch.ones_like(fv[..., :1])], -1))
             states = F.pad(inc.cumsum(dim=2), (0, 0, 0, 0, 1, 0))  # [B, Hk, G, F, D + 1], exclusive
-        else:
-            Fd = phi_k_map(kf[:, :, :1]).shape[-1]
-            states = kf.new_zeros(B, Hk, 1, Fd, D + 1)
+        else:  # no close yet: the state is empty
+            states = kf.new_zeros(B, Hk, 1, plan.S.shape[-2], D + 1)
         a, b = mixing_weights(window_logit, linear_logit)
         a, b = a.view(1, Hk, 1, g, 1, 1), b.view(1, Hk, 1, g, 1, 1)
         scale = 1.0 / math.sqrt(D)

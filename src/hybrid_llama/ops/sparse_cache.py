@@ -119,12 +119,16 @@ def close_block(
         best = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :size]
         kept_pos = cand_pos.gather(-1, best).masked_fill(~cand_valid.gather(-1, best), torch.iinfo(torch.long).max)
         keep = best.gather(-1, kept_pos.argsort(dim=-1, stable=True))
-        kept = torch.zeros_like(cand_valid).scatter_(-1, keep, True)
-    fold = (cand_valid & ~kept).unsqueeze(-1)
+    fold = folded_candidates(cand_valid, keep).unsqueeze(-1)
     fk = fk * fold
     S = S + torch.matmul(fk.transpose(-1, -2), cand_v.float())
     z = z + fk.sum(dim=2)
     return keep, cand_valid.gather(-1, keep), S, z
+
+
+def folded_candidates(cand_valid: Tensor, keep: Tensor) -> Tensor:
+    """The candidates a close folds into ``S, z``: the valid ones ``keep`` (``close_block``'s) leaves out."""
+    return cand_valid & ~torch.zeros_like(cand_valid).scatter_(-1, keep, True)
 
 
 def gather_slots(x: Tensor, index: Tensor) -> Tensor:
