@@ -328,3 +328,24 @@ def test_model_generates_with_sparse_cache_like_without_cache(lively_dir):
     short = tok(["hi"], return_tensors="pt")
     assert short["input_ids"].shape[1] <= 4
     assert torch.equal(greedy(model, short, n), greedy(model, short, n, use_cache=False))
+
+
+@pytest.mark.parametrize("path", ["loop", "batched", "dispatch"])
+def test_values_in_a_narrower_dtype_than_keys(path):
+    """Under bf16 autocast RoPE widens k to fp32 while v stays bf16: every path takes the pair and
+    gives the output and decode state of the same values widened up front (exact: bf16 -> fp32)."""
+    q, k, v, wl, ll = make(T=53)
+    v_bf16 = v.bfloat16()
+    cache = SparseCacheConfig(5, 2, "sre")
+
+    def run(values):
+        if path == "dispatch":  # no_grad: the native CPU path where it is built
+            with torch.no_grad():
+                return hybrid_attention(q, k, values, wl, ll, window=8, formulation="lolcats", sparse_cache=5,
+                                        sinks=2, cache_score="sre", output_final_state=True)
+        return SPARSE_PATHS[path](q, k, values, wl, ll, window=8, cache=cache, output_final_state=True)
+
+    got, got_state = run(v_bf16)
+    want, want_state = run(v_bf16.float())
+    torch.testing.assert_close(got, want)
+    _same_sparse_state(got_state, want_state)

@@ -47,9 +47,11 @@ def instruct(tiny_model_dir, shared_data_dir, tmp_path_factory):
     return path
 
 
+# These tests hold training to exact fp32 recomputations, so they keep fp32 even on a CPU where
+# `autocast: true` would train in bf16; test_cpu_bf16_* covers that path.
 def _transfer_cfg(**kw):
-    return {"progress": False, "lr": 3e-4, "logits_lr": 0.3, "batch_size": 4, "epochs": 2, "eval_sequences": 0,
-            "checkpoint_every": 0, **kw}
+    return {"progress": False, "autocast": False, "lr": 3e-4, "logits_lr": 0.3, "batch_size": 4, "epochs": 2,
+            "eval_sequences": 0, "checkpoint_every": 0, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +255,7 @@ def test_training_code_does_not_import_the_pipeline_module():
 
 
 def _lora_cfg(**kw):
-    return {"progress": False, "lr": 1e-3, "batch_size": 8, "epochs": 2, "checkpoint_every": 0, **kw}
+    return {"progress": False, "autocast": False, "lr": 1e-3, "batch_size": 8, "epochs": 2, "checkpoint_every": 0, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -613,3 +615,73 @@ def test_distill_with_transfer_teacher_states_trains_the_same_adapter(lively_dir
         str(tmp_path / "handed" / "adapter_model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+# ---------------------------------------------------------------- bf16 autocast on CPU
+
+@pytest.mark.parametrize("flags,native", [
+    ("fpu sse avx2 avx512f avx512bw avx512_bf16 avx512vl", True),  # AMD Zen 4, Intel Cooper Lake
+    ("fpu avx2 avx512f amx_bf16 amx_tile", True),  # Intel Sapphire Rapids
+    ("fpu sse avx2 avx512f avx512bw avx512vl", False),  # AVX-512 without bf16: oneDNN only emulates it
+    ("fp asimd", False),
+])
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    from hybrid_llama.train.compute import cpu_has_native_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert cpu_has_native_bf16(str(info)) is native
+    assert cpu_has_native_bf16(str(tmp_path / "absent")) is False
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_autocast_follows_native_bf16(monkeypatch, native):
+    """`autocast: true` computes in bf16 on a CPU with native bf16 products, in fp32 on any other;
+    `false` never does."""
+    import hybrid_llama.train.compute as compute
+
+    monkeypatch.setattr(compute, "cpu_has_native_bf16", lambda: native)
+    cpu, x = torch.device("cpu"), torch.randn(4, 8)
+    with compute.autocast(cpu, True):
+        assert (torch.nn.functional.linear(x, x).dtype == torch.bfloat16) is native
+    with compute.autocast(cpu, False):
+        assert torch.nn.functional.linear(x, x).dtype == torch.float32
+    assert compute.autocast_active(cpu, True) is native and compute.autocast_active(cpu, False) is False
+
+
+def test_cpu_bf16_sparse_cache_transfer_and_distill(monkeypatch, lively_dir, corpus, tmp_path):
+    """The cache-active recipe under CPU bf16 autocast, against the same run in fp32: transfer saves
+    teacher states marked autocast, distillation reads them (the teacher runs for validation only),
+    the reported validation KL is the saved adapter's, recomputed under the same autocast, and both
+    stages land where fp32 lands, to bf16's precision."""
+    import hybrid_llama.train.compute as compute
+    from hybrid_llama.train.teacher_states import TeacherStates
+
+    monkeypatch.setattr(compute, "cpu_has_native_bf16", lambda: True)
+    hybrid = {**HEDGEHOG, "sparse_cache": 3, "sinks": 1}
+    val_rows = load_packed(corpus / "train.safetensors")[-4:]
+    teacher, _ = load_stage(lively_dir, "base")
+    runs = {}
+    for amp in (True, False):
+        out = tmp_path / str(amp)
+        mt = tr.run_transfer(lively_dir, corpus / "train.safetensors", hybrid,
+                             _transfer_cfg(trainable="logits+feature_map", lr=1e-2, epochs=1, eval_sequences=2,
+                                           teacher_states=True, autocast=amp), out / "t")
+        states = out / "t" / "teacher_states.safetensors"
+        assert TeacherStates(states).teacher == {"dtype": "torch.float32", "autocast": amp}
+        m = ft.run_finetune(lively_dir, corpus / "train.safetensors",
+                            _lora_cfg(objective="distill", batch_size=4, epochs=2, eval_sequences=4, dropout=0.0,
+                                      autocast=amp),
+                            out / "d", hybrid=hybrid, hybrid_layers=out / "t" / "hybrid_layers.safetensors",
+                            teacher_states=states)
+        assert m["teacher_forwards"] == 3  # validation before training and after each of the 2 epochs
+        after, _ = load_stage(lively_dir, "transfer_lora", hybrid=hybrid,
+                              hybrid_layers=out / "t" / "hybrid_layers.safetensors", adapter=out / "d")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            assert _kl_per_token(after, teacher, val_rows) == pytest.approx(m["val_loss_after"], rel=1e-3)
+        runs[amp] = mt, m
+    (mt16, m16), (mt32, m32) = runs[True], runs[False]
+    assert mt16["mse_after_mean"] < mt16["mse_before_mean"]
+    assert mt16["mse_after_mean"] == pytest.approx(mt32["mse_after_mean"], rel=0.05)
+    assert m16["val_loss_after"] == pytest.approx(m32["val_loss_after"], rel=0.05)
+    assert m16["val_loss_after"] != m32["val_loss_after"]  # bf16 did run

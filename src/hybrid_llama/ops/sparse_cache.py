@@ -259,6 +259,8 @@ def sparse_final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok
     ns = cache.sinks
     sp = empty_sparse_state(B, Hk, D, w, cache.size, cache.sinks, device=k.device, dtype=k.dtype)
     ring_pos = torch.arange(max(T - w, 0), T, device=k.device)
+    # Under autocast k and v can differ in dtype (RoPE widens k), the buffers hold k's: cast v.
+    v = v.to(k.dtype)
     k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
     k_window[:, :, ring_pos % w] = k[:, :, ring_pos]
     v_window[:, :, ring_pos % w] = v[:, :, ring_pos].to(v_window.dtype)
