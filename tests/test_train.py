@@ -675,6 +675,7 @@ def test_cpu_bf16_sparse_cache_transfer_and_distill(monkeypatch, lively_dir, cor
                             out / "d", hybrid=hybrid, hybrid_layers=out / "t" / "hybrid_layers.safetensors",
                             teacher_states=states)
         assert m["teacher_forwards"] == 3  # validation before training and after each of the 2 epochs
+        assert mt["autocast_bf16"] is amp and m["autocast_bf16"] is amp
         after, _ = load_stage(lively_dir, "transfer_lora", hybrid=hybrid,
                               hybrid_layers=out / "t" / "hybrid_layers.safetensors", adapter=out / "d")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):

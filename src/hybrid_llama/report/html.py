@@ -368,7 +368,7 @@ def build_context(
             "layers": [{"layer": k, "before": _fmt(before.get(k), ".4g"), "after": _fmt(after.get(k), ".4g"),
                         "ratio": _fmt(num(after.get(k)) / num(before.get(k)), ".3f")} for k in layers],
             "facts": {k: m.get(k) for k in ("steps", "train_tokens", "tokens_per_s", "wall_time_s",
-                                            "trainable", "num_trainable_params") if k in m},
+                                            "trainable", "num_trainable_params", "autocast_bf16") if k in m},
             "plot": plot("plot_transfer_loss", w["model"], w["variant"]),
         })
     lora_sections = []
@@ -378,7 +378,8 @@ def build_context(
         lora_sections.append({
             "model": w["model"], "variant": w["variant"],
             "facts": {k: m.get(k) for k in ("objective", "val_metric", "val_loss_before", "val_loss_after",
-                                            "train_loss_final", "steps", "tokens_per_s", "wall_time_s") if k in m},
+                                            "train_loss_final", "steps", "tokens_per_s", "wall_time_s", "autocast_bf16")
+                      if k in m},
             "plot": plot("plot_lora_loss", w["model"], w["variant"]),
         })
 

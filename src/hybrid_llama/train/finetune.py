@@ -26,7 +26,7 @@ from hybrid_llama.files import atomic_write
 from hybrid_llama.runtime import resolve_dtype
 from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
-from hybrid_llama.train.compute import pick_device, seed_everything
+from hybrid_llama.train.compute import autocast_active, pick_device, seed_everything
 from hybrid_llama.train.lora_objectives import DistillObjective, InstructObjective, TokenObjective
 from hybrid_llama.train.settings import AdapterSettings, LoraSettings
 from hybrid_llama.train.trainer import fit
@@ -174,6 +174,7 @@ def run_finetune(
         "modules_to_save": save,
         "num_trainable_params": sum(p.numel() for _, p in named),
         "device": str(device),
+        "autocast_bf16": autocast_active(device, amp),  # what `autocast: true` meant on this device
         "hybrid": None if hcfg is None else {k: getattr(hcfg, k) for k in ("layers", "window", "formulation",
                                                                         "feature_map", "backend")},
         "lora": s.as_dict(),

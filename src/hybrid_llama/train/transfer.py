@@ -249,6 +249,7 @@ def run_transfer(
         "trainable": sorted({n.split(".self_attn.", 1)[1].split(".")[0] for n, _ in named}),
         "num_trainable_params": sum(p.numel() for _, p in named),
         "device": str(device),
+        "autocast_bf16": autocast_active(device, amp),  # what `autocast: true` meant on this device
         "hybrid": hcfg.to_dict(),
         "train": s.as_dict(),
     }
