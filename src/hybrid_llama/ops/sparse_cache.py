@@ -263,7 +263,7 @@ def sparse_final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok
     v = v.to(k.dtype)
     k_window, v_window, valid = state.k_window.clone(), state.v_window.clone(), state.window_valid.clone()
     k_window[:, :, ring_pos % w] = k[:, :, ring_pos]
-    v_window[:, :, ring_pos % w] = v[:, :, ring_pos].to(v_window.dtype)
+    v_window[:, :, ring_pos % w] = v[:, :, ring_pos]
     valid[:, ring_pos % w] = real[:, ring_pos]
     old_sinks = torch.arange(min(ns, max(T - w, 0)), device=k.device)
     sp.sink_k[:, :, old_sinks], sp.sink_v[:, :, old_sinks] = k[:, :, old_sinks], v[:, :, old_sinks]
