@@ -378,8 +378,8 @@ def build_context(
         lora_sections.append({
             "model": w["model"], "variant": w["variant"],
             "facts": {k: m.get(k) for k in ("objective", "val_metric", "val_loss_before", "val_loss_after",
-                                            "train_loss_final", "steps", "tokens_per_s", "wall_time_s", "autocast_bf16")
-                      if k in m},
+                                            "train_loss_final", "steps", "tokens_per_s", "wall_time_s",
+                                            "autocast_bf16") if k in m},
             "plot": plot("plot_lora_loss", w["model"], w["variant"]),
         })
 

@@ -13,7 +13,7 @@ import torch
 __all__ = ["pick_device", "autocast", "autocast_active", "cpu_has_native_bf16", "seed_everything"]
 
 # CPU flags (Linux /proc/cpuinfo names) of instructions that multiply bf16 natively. Without them
-# oneDNN emulates bf16 on wider units, which is no faster than fp32 and only loses precision.
+# oneDNN emulates bf16 on wider units: no reason to expect a gain, and precision is lost.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
