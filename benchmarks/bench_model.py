@@ -5,7 +5,7 @@
     python benchmarks/bench_model.py --device cpu --dtype float32 --model-dir resources/weights/smollm2 \
         --formulation lolcats --feature-map hedgehog --sparse-cache 128 --sinks 4 \
         --prefill-lens 4096,8192 --decode-context 8192 --decode-batch 1 --decode-tokens 16 \
-        --base-append-kv                                                 # CPU, real weights
+        --base-softmax-layers                                            # CPU, real weights
     python benchmarks/bench_model.py --preset tiny --device cpu --dtype float32 --backends chunked \
         --prefill-lens 64,256 --decode-context 256 --decode-batch 2     # a CPU smoke run
 
@@ -15,9 +15,10 @@ KV heads, D = 64); speed does not depend on the weights. The hybrid variants con
 (default every even layer, the published recipe) with ``--formulation`` and ``--feature-map`` for each
 named backend (``hybrid_<backend>``); with ``--sparse-cache N`` the same layers with a sparse cache of
 N keys per KV head and ``--sinks`` sinks are measured as well (``sparse_<backend>``). ``base`` is the
-unconverted model with SDPA and transformers' own KV cache. The hybrids' softmax layers append their
-keys in place (``AppendKVCacheLayer``); ``--base-append-kv`` adds ``base_append_kv``, base with that
-cache, so that the hybrid's ratio to it is what linearization alone gives. Everything goes through
+unconverted model with SDPA and transformers' own KV cache. The hybrids' softmax layers
+(``SoftmaxLlamaAttention``) append their keys in place and decode one token with the native
+``softmax_decode`` kernel on a CPU; ``--base-softmax-layers`` adds ``base_softmax_layers``, base with
+every layer so, so that the hybrid's ratio to it is what linearization alone gives. Everything goes through
 the pipeline's own throughput evaluation
 (``hybrid_llama.eval.throughput``): the variants are interleaved round by round, prefill keeps the
 last position's logits only, decode runs greedy steps from the prefill's cache.
@@ -96,14 +97,14 @@ def meets(goal: str, value: float, device: str = "cuda") -> str:
     return f"{'meets' if ok else 'misses'} {op} {bound}"
 
 
-def _appending_kv(build_base):
-    """Base whose every layer keeps its KV cache as the hybrid's softmax layers do (AppendKVCacheLayer):
-    the hybrid's ratio to it is what linearization gives with the KV cache held equal."""
-    from hybrid_llama.layers import append_kv_in_place
+def _with_softmax_layers(build_base):
+    """Base whose every layer is the hybrid's softmax layer (``SoftmaxLlamaAttention``: KV cache and
+    decode step): the hybrid's ratio to it is what linearization gives with the softmax layers held equal."""
+    from hybrid_llama.layers import as_softmax_layers
     from hybrid_llama.models.convert import decoder_layers
 
     model, tok, backend = build_base()
-    append_kv_in_place([block.self_attn for block in decoder_layers(model)])
+    as_softmax_layers([block.self_attn for block in decoder_layers(model)])
     return model, tok, backend
 
 
@@ -122,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparse-cache", type=int, default=0, help="also measure a sparse cache of this many keys")
     ap.add_argument("--sinks", type=int, default=4, help="sink tokens of the sparse-cache variant")
     ap.add_argument("--backends", default="triton,chunked", help="hybrid backends to measure")
-    ap.add_argument("--base-append-kv", action="store_true",
-                    help="also measure base with its KV cache appended in place, as the hybrid's softmax "
-                    "layers keep it")
+    ap.add_argument("--base-softmax-layers", action="store_true",
+                    help="also measure base with every layer the hybrid's softmax layer (KV cache appended in "
+                    "place, native decode step)")
     ap.add_argument("--prefill-lens", default=",".join(str(2**i) for i in range(10, 16)))
     ap.add_argument("--decode-context", type=int, default=32768)
     ap.add_argument("--decode-batch", type=int, default=16)
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.dtype, backends,
             )
             variants.update({k.replace("hybrid_", "sparse_"): f for k, f in sparse.items() if k != "base"})
-        if args.base_append_kv:
-            variants["base_append_kv"] = partial(_appending_kv, variants["base"])
+        if args.base_softmax_layers:
+            variants["base_softmax_layers"] = partial(_with_softmax_layers, variants["base"])
         prefill = measure_throughput(variants, seq_lens=prefill_lens, batch=1, **common)
         if args.decode_batch == 1 and args.decode_context in prefill_lens:
             decode = prefill  # the prefill sweep decoded from that very context already

@@ -1,6 +1,6 @@
 """nn.Modules of hybrid attention (see docs/design.md, "layers / models")."""
 
-from .append_kv_cache import AppendKVCacheLayer, append_kv_cache_layer, append_kv_in_place
+from .append_kv_cache import AppendKVCacheLayer, append_kv_cache_layer
 from .hybrid_attention import (
     Elu1FeatureMap,
     HybridCacheLayer,
@@ -12,18 +12,21 @@ from .hybrid_attention import (
     keys_valid_from_mask,
     make_feature_map,
 )
+from .softmax_attention import SoftmaxLlamaAttention, as_softmax_layers, rotary_qkv
 
 __all__ = [
     "AppendKVCacheLayer",
     "append_kv_cache_layer",
-    "append_kv_in_place",
+    "as_softmax_layers",
     "Elu1FeatureMap",
     "HybridCacheLayer",
     "HybridConfig",
     "HybridLlamaAttention",
     "MixingLogits",
     "QKFeatureMaps",
+    "SoftmaxLlamaAttention",
     "hybrid_cache_layer",
     "keys_valid_from_mask",
     "make_feature_map",
+    "rotary_qkv",
 ]

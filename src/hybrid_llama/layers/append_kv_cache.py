@@ -6,8 +6,8 @@ that copy costs more than the attention that reads the cache. :class:`AppendKVCa
 in a buffer with headroom and writes each step's keys into it; ``keys``/``values`` are views of the
 filled part, so everything that reads a ``DynamicLayer`` reads this one unchanged.
 
-The slot is swapped in on first use, like the hybrid layers' :class:`HybridCacheLayer`, by a forward
-pre-hook on each softmax attention module (:func:`append_kv_in_place`).
+The slot is swapped in on first use, like the hybrid layers' :class:`HybridCacheLayer`, by the softmax
+layers' own forward (``SoftmaxLlamaAttention``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
 # Growth beyond what a step needs: a quarter of the length (amortized O(1) copies per token), at
@@ -100,21 +100,3 @@ def append_kv_cache_layer(cache: Cache, layer_idx: int) -> None:
         layers.append(replicate())
     if layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
         layers[layer_idx] = AppendKVCacheLayer.taking_over(layers[layer_idx])
-
-
-def _use_append_kv_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    # transformers >= 5.2x passes the cache as `cache`, earlier 5.x as `past_key_values`.
-    cache = kwargs.get("cache")
-    if cache is None:
-        cache = kwargs.get("past_key_values")
-    if cache is not None:
-        append_kv_cache_layer(cache, module.layer_idx)
-
-
-def append_kv_in_place(attention_modules: list[nn.Module]) -> None:
-    """Make each softmax attention module (``LlamaAttention``) keep its KV cache in an
-    :class:`AppendKVCacheLayer`; calling it again on the same module changes nothing."""
-    for module in attention_modules:
-        if not getattr(module, "_appends_kv_in_place", False):
-            module.register_forward_pre_hook(_use_append_kv_cache, with_kwargs=True)
-            module._appends_kv_in_place = True

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from hybrid_llama.ops import (
     HedgehogFeatureMap,
@@ -32,6 +32,8 @@ from hybrid_llama.ops import (
     window_prompt_state,
 )
 from hybrid_llama.ops.reference import FORMULATIONS
+
+from .softmax_attention import rotary_qkv
 
 FEATURE_MAPS = ("elu1", "hedgehog")
 
@@ -315,13 +317,7 @@ class HybridLlamaAttention(LlamaAttention):
         """q ``[B, H, T, D]`` and k, v ``[B, H_kv, T, D]`` of the layer's input, RoPE applied to q, k.
         k/v stay at the KV heads (GQA): the kernels index them, and the decode state (window
         buffers, S, z) is kept once per KV head instead of once per query head."""
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        return rotary_qkv(self, hidden_states, position_embeddings)
 
     def op_feature_map(self):
         """The layer's feature map as the ops take it: "elu1" by name (so backends can use their

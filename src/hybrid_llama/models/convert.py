@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
-from hybrid_llama.layers import HybridConfig, HybridLlamaAttention, append_kv_in_place
+from hybrid_llama.layers import HybridConfig, HybridLlamaAttention, as_softmax_layers
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -63,7 +63,7 @@ def swap_in_hybrid_attention(model: nn.Module, cfg: HybridConfig, *, check_confi
     The one conversion step: ``convert_to_hybrid`` calls it on a plain model (``check_config``: refuse a
     model whose config already records a conversion), ``HybridLlamaForCausalLM`` on itself at
     construction, where ``config.hybrid`` is the saved settings and the weights come from the checkpoint.
-    The layers left softmax keep their KV cache appended in place (``AppendKVCacheLayer``).
+    The layers left softmax become ``SoftmaxLlamaAttention`` (KV cache appended in place, native decode step).
     """
     blocks = decoder_layers(model)
     bad = [i for i in cfg.layers if not 0 <= i < len(blocks)]
@@ -73,7 +73,7 @@ def swap_in_hybrid_attention(model: nn.Module, cfg: HybridConfig, *, check_confi
         raise ValueError("model is already converted (model.config.hybrid is set)")
     for i in cfg.layers:
         blocks[i].self_attn = make_hybrid_attention(blocks[i].self_attn, cfg)
-    append_kv_in_place([b.self_attn for i, b in enumerate(blocks) if i not in cfg.layers])
+    as_softmax_layers([b.self_attn for i, b in enumerate(blocks) if i not in cfg.layers])
     return model
 
 

@@ -16,6 +16,9 @@
  * one KV head stay in L1), where the chunked torch backend streams block-sized tensors through
  * memory for each of its ~30 ops; and it does only the op's own FLOPs (no masked half-blocks).
  *
+ * softmax_decode_f32: a softmax layer's decode step, one query over its whole KV cache, the keys split
+ * into chunks that the threads share (ops/softmax_decode.py).
+ *
  * Step preconditions (checked by the caller): every tensor contiguous fp32 on the CPU, the new key
  * real, and every key already in the window real. Layouts, per batch row b:
  *   q [B, H, D]; k, v [B, Hk, D]; k_win, v_win [B, Hk, w, D]; valid [B, w] (bytes);
@@ -822,6 +825,132 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
                 #pragma omp simd
                 for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + wb[h] * num[d]) * inv;
             }
+        }
+    }
+    return 0;
+}
+
+/* softmax_decode_f32: one new query per batch row and head, softmax attention over a KV cache of L
+ * keys: the decode step of a hybrid model's softmax layers (ops/softmax_decode.py). A decode step
+ * reads the whole cache for a few FLOPs per key, so its cost is how fast the cache streams from
+ * memory. Each (batch row, KV head)'s keys are split into chunks that the threads share: a chunk
+ * loads each key and value row once for all the query heads of its KV head and leaves a partial
+ * softmax (the running maximum, the sum of exponentials and the weighted sum of values, per query
+ * head) in the workspace; the partials are then merged per query head.
+ *
+ * Layouts (strided, the last dim contiguous): q [B, H, D] (q_b, q_h); k, v [B, Hk, L, D] (k_b, k_h,
+ * k_t), e.g. views of a cache buffer with spare capacity; out [B, H, D] (o_b, o_h). Query head h reads
+ * KV head h / (H / Hk). work: softmax_decode_workspace(...) floats. Returns 0, or -1 for arguments it
+ * does not cover (D a multiple of 16 up to MAX_D, at most DECODE_G query heads per KV head). */
+enum { DECODE_KEYS = 64, DECODE_G = 16 };  /* keys per block of scores; query heads per KV head */
+
+static long long decode_chunks(long long L, long long chunk) { return (L + chunk - 1) / chunk; }
+
+long long softmax_decode_workspace(int B, int H, int Hk, int D, long long L, long long chunk) {
+    return (long long)B * H * decode_chunks(L, chunk) * (D + 2);
+}
+
+/* Partial softmax of G query heads over keys t0 .. t1-1 of one KV head: m[G] (the maximum score),
+ * l[G] (the sum of exp(score - m)) and acc[G][D] (the sum of exp(score - m) * value). */
+static void decode_chunk(int G, int D, long long t0, long long t1, const float *q, long long q_h, const float *k,
+                         long long k_t, const float *v, long long v_t, float scale, float *m, float *l, float *acc) {
+    const int C = D / 16;
+    vec16 qs[DECODE_G][MAX_D / 16];
+    float s[DECODE_G][DECODE_KEYS];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < C; c++) {
+            memcpy(&qs[g][c], q + g * q_h + 16 * c, sizeof(vec16));
+            qs[g][c] *= splat(scale);
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        memset(acc + (long long)g * D, 0, (size_t)D * sizeof(float));
+    }
+    for (long long t = t0; t < t1; t += DECODE_KEYS) {
+        const int n = (int)(t1 - t < DECODE_KEYS ? t1 - t : DECODE_KEYS);
+        for (int j = 0; j < n; j++) {
+            const vec16 *kr = (const vec16 *)(k + (t + j) * k_t);
+            for (int g = 0; g < G; g++) {
+                vec16 a = qs[g][0] * kr[0];
+                for (int c = 1; c < C; c++) a += qs[g][c] * kr[c];
+                s[g][j] = lane_sum(a);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float top = m[g];
+            for (int j = 0; j < n; j++) top = s[g][j] > top ? s[g][j] : top;
+            /* the block's new maximum rescales what the chunk summed so far (nothing, on its first block) */
+            const float rescale = m[g] == -INFINITY ? 0.0f : exp_nonpos(m[g] - top);
+            vec16 sum = splat(0.0f);
+            int j = 0;
+            for (; j + 16 <= n; j += 16) {
+                vec16 x;
+                memcpy(&x, &s[g][j], sizeof x);
+                x = exp_nonpos16(x - splat(top));
+                memcpy(&s[g][j], &x, sizeof x);
+                sum += x;
+            }
+            float tail = 0.0f;
+            for (; j < n; j++) {
+                s[g][j] = exp_nonpos(s[g][j] - top);
+                tail += s[g][j];
+            }
+            l[g] = l[g] * rescale + lane_sum(sum) + tail;
+            m[g] = top;
+            float *a = acc + (long long)g * D;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) a[d] *= rescale;
+        }
+        for (int j = 0; j < n; j++) {
+            const vec16 *vr = (const vec16 *)(v + (t + j) * v_t);
+            for (int g = 0; g < G; g++) {
+                const vec16 p = splat(s[g][j]);
+                vec16 *a = (vec16 *)(acc + (long long)g * D);
+                for (int c = 0; c < C; c++) a[c] += p * vr[c];
+            }
+        }
+    }
+}
+
+int softmax_decode_f32(int B, int H, int Hk, int D, long long L, long long chunk, int threads,
+                       const float *q, long long q_b, long long q_h,
+                       const float *k, long long k_b, long long k_h, long long k_t,
+                       const float *v, long long v_b, long long v_h, long long v_t,
+                       float scale, float *out, long long o_b, long long o_h, float *work) {
+    if (B < 1 || Hk < 1 || H % Hk || H / Hk > DECODE_G || D < 16 || D > MAX_D || D % 16 || L < 1 || chunk < 1
+        || threads < 1)
+        return -1;
+    const int G = H / Hk;
+    const long long chunks = decode_chunks(L, chunk), items = (long long)B * Hk * chunks, stride = (long long)G * (D + 2);
+    /* item = (b, kv head, chunk); its partials at work + item * stride: m[G], l[G], acc[G][D] */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (items > 1 && threads > 1)
+    for (long long item = 0; item < items; item++) {
+        const long long c = item % chunks, bh = item / chunks;
+        const int b = (int)(bh / Hk), h = (int)(bh % Hk);
+        float *part = work + item * stride;
+        const long long t1 = (c + 1) * chunk < L ? (c + 1) * chunk : L;
+        decode_chunk(G, D, c * chunk, t1, q + b * q_b + (long long)h * G * q_h, q_h, k + b * k_b + h * k_h, k_t,
+                     v + b * v_b + h * v_h, v_t, scale, part, part + G, part + 2 * G);
+    }
+    for (long long bh = 0; bh < (long long)B * Hk; bh++) {
+        const int b = (int)(bh / Hk), h = (int)(bh % Hk);
+        const float *parts = work + bh * chunks * stride;
+        for (int g = 0; g < G; g++) {
+            float top = -INFINITY, total = 0.0f;
+            for (long long c = 0; c < chunks; c++) top = parts[c * stride + g] > top ? parts[c * stride + g] : top;
+            float *o = out + b * o_b + (long long)(h * G + g) * o_h;
+            memset(o, 0, (size_t)D * sizeof(float));
+            for (long long c = 0; c < chunks; c++) {
+                const float *part = parts + c * stride;
+                const float f = exp_nonpos(part[g] - top);
+                total += f * part[G + g];
+                const float *a = part + 2 * G + (long long)g * D;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] += f * a[d];
+            }
+            const float inv = 1.0f / total;
+            #pragma omp simd
+            for (int d = 0; d < D; d++) o[d] *= inv;
         }
     }
     return 0;

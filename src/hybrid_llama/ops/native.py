@@ -5,8 +5,9 @@ The build runs ``$CC`` (else ``cc``) and is kept under ``$HYBRID_LLAMA_KERNEL_CA
 ``~/.cache/hybrid_llama/kernels``), keyed by the source, the flags and this CPU, so a cluster node
 never loads a build made for another CPU. Without a compiler the torch paths run instead (logged
 once); ``HYBRID_LLAMA_NATIVE=0`` turns the kernels off. ``cpu_step`` (the decode steps),
-``cpu_prefill`` (the parallel op) and ``cpu_sparse`` (the sparse cache's parallel op) decide when a
-call is covered; this module only builds and loads.
+``cpu_prefill`` (the parallel op), ``cpu_sparse`` (the sparse cache's parallel op) and
+``softmax_decode`` (the softmax layers' decode step) decide when a call is covered; this module only
+builds and loads.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ SIGNATURES = {
     "hybrid_sparse_group_workspace": (_L, [_I] * 9),
     "hybrid_prefill_f32": (_I, [_I, _I, _I, _L, _I, _I, _I, _I, _I, _I, _P] + [_P, _L, _L, _L] * 3 + [_P] * 8
                            + [_P, _L, _L, _L, _P, _L]),
+    "softmax_decode_f32": (_I, [_I] * 4 + [_L, _L, _I] + [_P, _L, _L] + [_P, _L, _L, _L] * 2
+                           + [ctypes.c_float, _P, _L, _L, _P]),
+    "softmax_decode_workspace": (_L, [_I] * 4 + [_L, _L]),
     "hybrid_native_threads": (_I, []),
     "hybrid_prefill_workspace": (_L, [_I, _I, _I]),
 }
