@@ -140,6 +140,15 @@ def count_native_steps(monkeypatch, from_keys: int = 1) -> list[int]:
     return calls
 
 
+def plain_and_converted(model_dir):
+    """The model as transformers loads it, the same with every layer a SoftmaxLlamaAttention, and the
+    tokenizer."""
+    plain, tok = load_model(model_dir, dtype=torch.float32)
+    ours, _ = load_model(model_dir, dtype=torch.float32)
+    as_softmax_layers([block.self_attn for block in decoder_layers(ours)])
+    return plain, ours, tok
+
+
 def test_conversion_swaps_the_class_and_keeps_everything_else(lively_dir):
     model, _ = load_model(lively_dir, dtype=torch.float32)
     names = {k: v.data_ptr() for k, v in model.state_dict().items()}
@@ -155,9 +164,7 @@ def test_conversion_swaps_the_class_and_keeps_everything_else(lively_dir):
 def test_decode_equals_transformers_attention(lively_dir, monkeypatch):
     """Base with every layer converted decodes as transformers' own layers do, step by step; every
     step after the prompt ran the kernel."""
-    plain, tok = load_model(lively_dir, dtype=torch.float32)
-    ours, _ = load_model(lively_dir, dtype=torch.float32)
-    as_softmax_layers([block.self_attn for block in decoder_layers(ours)])
+    plain, ours, tok = plain_and_converted(lively_dir)
     calls = count_native_steps(monkeypatch)
     ids = tok(["the native step reads the whole cache"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -207,9 +214,7 @@ def test_steps_run_natively_from_the_threshold(lively_dir, monkeypatch):
 def test_masked_batches_and_training_run_llama_attention(lively_dir, monkeypatch):
     """A padded batch decodes with a mask, and training needs autograd: both are LlamaAttention's
     forward, so they give what the plain model gives."""
-    plain, tok = load_model(lively_dir, dtype=torch.float32)
-    ours, _ = load_model(lively_dir, dtype=torch.float32)
-    as_softmax_layers([block.self_attn for block in decoder_layers(ours)])
+    plain, ours, tok = plain_and_converted(lively_dir)
     calls = count_native_steps(monkeypatch)
     tok.padding_side = "left"
     enc = tok(["short", "a much longer prompt than that"], return_tensors="pt", padding=True)
@@ -230,9 +235,7 @@ def test_masked_batches_and_training_run_llama_attention(lively_dir, monkeypatch
 
 def test_without_native_kernels_the_step_is_sdpa(lively_dir, monkeypatch):
     monkeypatch.setenv("HYBRID_LLAMA_NATIVE", "0")
-    plain, tok = load_model(lively_dir, dtype=torch.float32)
-    ours, _ = load_model(lively_dir, dtype=torch.float32)
-    as_softmax_layers([block.self_attn for block in decoder_layers(ours)])
+    plain, ours, tok = plain_and_converted(lively_dir)
     calls = count_native_steps(monkeypatch)
     ids = tok(["no kernels"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
