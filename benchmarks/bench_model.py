@@ -16,9 +16,10 @@ KV heads, D = 64); speed does not depend on the weights. The hybrid variants con
 named backend (``hybrid_<backend>``); with ``--sparse-cache N`` the same layers with a sparse cache of
 N keys per KV head and ``--sinks`` sinks are measured as well (``sparse_<backend>``). ``base`` is the
 unconverted model with SDPA and transformers' own KV cache. The hybrids' softmax layers
-(``SoftmaxLlamaAttention``) append their keys in place and decode one token with the native
-``softmax_decode`` kernel on a CPU; ``--base-softmax-layers`` adds ``base_softmax_layers``, base with
-every layer so, so that the hybrid's ratio to it is what linearization alone gives. Everything goes through
+(``SoftmaxLlamaAttention``) append their keys in place and, on a CPU, decode one token over 1024 or
+more keys with the native ``softmax_decode`` kernel; ``--base-softmax-layers`` adds
+``base_softmax_layers``, base with every layer such a layer, so that the hybrid's ratio to it is what
+linearization alone gives. Everything goes through
 the pipeline's own throughput evaluation
 (``hybrid_llama.eval.throughput``): the variants are interleaved round by round, prefill keeps the
 last position's logits only, decode runs greedy steps from the prefill's cache.
