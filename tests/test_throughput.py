@@ -286,6 +286,7 @@ def test_bench_model_ratios_and_goals(tmp_path):
         "8",
         "--sinks",
         "2",
+        "--base-softmax-layers",
         "--json",
         str(out),
     ]
@@ -317,6 +318,10 @@ def test_bench_model_ratios_and_goals(tmp_path):
     sparse = res["ratios"]["sparse_chunked"]
     assert r["cache_ratio"] < sparse["cache_ratio"]
     assert sparse["decode_speedup"] == pytest.approx(pick("decode", "sparse_chunked", 96, "decode", "speedup"))
+    # base with every layer the hybrid's softmax layer: the same prompt keeps a cache of base's size
+    same = res["ratios"]["base_softmax_layers"]
+    assert same["cache_ratio"] == 1.0
+    assert same["decode_speedup"] == pytest.approx(pick("decode", "base_softmax_layers", 96, "decode", "speedup"))
 
 
 def test_bench_model_goal_verdicts():
