@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from hybrid_llama.eval.throughput import greedy_decode
@@ -158,6 +159,26 @@ def test_conversion_swaps_the_class_and_keeps_everything_else(lively_dir):
     assert [type(a) for a in attns] == [SoftmaxLlamaAttention] * len(attns)
     assert all(isinstance(a, LlamaAttention) for a in attns)
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == names
+
+
+def test_prompt_keeps_transformers_slot_and_first_step_adopts_it(lively_dir):
+    """A prompt runs in transformers' own DynamicLayer; the first one-token step swaps in the in-place
+    slot holding the prompt's keys and appends to them, as transformers' layers compute it."""
+    plain, ours, tok = plain_and_converted(lively_dir)
+    ids = tok(["a prompt keeps its slot"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got = ours(ids, use_cache=True)
+        cache = got.past_key_values
+        assert all(type(layer) is DynamicLayer for layer in cache.layers)
+        prompt_keys = [layer.keys for layer in cache.layers]
+        token = got.logits[:, -1:].argmax(-1)
+        step = ours(token, past_key_values=cache, use_cache=True)
+        want = plain(torch.cat([ids, token], dim=1), use_cache=False)
+    torch.testing.assert_close(step.logits[:, -1], want.logits[:, -1], atol=1e-5, rtol=1e-5)
+    assert all(type(layer) is AppendKVCacheLayer for layer in cache.layers)
+    for layer, keys in zip(cache.layers, prompt_keys):
+        assert layer.get_seq_length() == ids.shape[1] + 1
+        torch.testing.assert_close(layer.keys[:, :, :-1], keys, atol=0, rtol=0)
 
 
 @needs_kernels

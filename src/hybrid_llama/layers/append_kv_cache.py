@@ -6,8 +6,8 @@ that copy costs more than the attention that reads the cache. :class:`AppendKVCa
 in a buffer with headroom and writes each step's keys into it; ``keys``/``values`` are views of the
 filled part, so everything that reads a ``DynamicLayer`` reads this one unchanged.
 
-The slot is swapped in on first use, like the hybrid layers' :class:`HybridCacheLayer`, by the softmax
-layers' own forward (``SoftmaxLlamaAttention``).
+The slot is swapped in at the first one-token step, by the softmax layers' own forward
+(``SoftmaxLlamaAttention``); it takes the prompt's keys over without a copy.
 """
 
 from __future__ import annotations
@@ -88,15 +88,20 @@ class AppendKVCacheLayer(DynamicLayer):
         return sum(t.numel() * t.element_size() for t in (self._k_buffer, self._v_buffer) if t is not None)
 
 
-def append_kv_cache_layer(cache: Cache, layer_idx: int) -> None:
+def append_kv_cache_layer(cache: Cache, layer_idx: int) -> AppendKVCacheLayer | None:
     """Swap ``cache``'s plain ``DynamicLayer`` at ``layer_idx`` (created there if missing) for an
-    :class:`AppendKVCacheLayer` holding the same keys. Other kinds of slot (static, sliding, quantized,
-    hybrid) and offloading caches are left as they are."""
+    :class:`AppendKVCacheLayer` holding the same keys, and return it (also when it was swapped in
+    before). Other kinds of slot (static, sliding, quantized, hybrid) and offloading caches are left as
+    they are: None."""
     layers = getattr(cache, "layers", None)
     if layers is None or getattr(cache, "offloading", False):
-        return
+        return None
     replicate = getattr(cache, "layer_class_to_replicate", None)
     while len(layers) <= layer_idx and replicate is not None:
         layers.append(replicate())
-    if layer_idx < len(layers) and type(layers[layer_idx]) is DynamicLayer:
-        layers[layer_idx] = AppendKVCacheLayer.taking_over(layers[layer_idx])
+    if layer_idx >= len(layers):
+        return None
+    slot = layers[layer_idx]
+    if type(slot) is DynamicLayer:
+        slot = layers[layer_idx] = AppendKVCacheLayer.taking_over(slot)
+    return slot if isinstance(slot, AppendKVCacheLayer) else None

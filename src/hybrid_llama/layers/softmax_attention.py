@@ -2,8 +2,8 @@
 
 It is ``LlamaAttention`` with the same weights and parameter names and two changes for inference:
 
-- its KV cache slot is an ``AppendKVCacheLayer`` (keys written into a buffer with headroom instead of
-  concatenated each step);
+- from its first one-token step on, its KV cache slot is an ``AppendKVCacheLayer`` (keys written into a
+  buffer with headroom instead of concatenated each step);
 - a one-token step over a long cache runs the native ``softmax_decode`` kernel, whose threads share
   each KV head's keys (such a cache streams from memory faster than through SDPA's CPU kernel).
 
@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from hybrid_llama.ops import native
 from hybrid_llama.ops.softmax_decode import MAX_GROUP, softmax_decode
 
-from .append_kv_cache import AppendKVCacheLayer, append_kv_cache_layer
+from .append_kv_cache import append_kv_cache_layer
 
 
 def rotary_qkv(attn: LlamaAttention, hidden_states: Tensor,
@@ -52,13 +51,19 @@ class SoftmaxLlamaAttention(LlamaAttention):
     """``LlamaAttention`` whose KV cache is appended in place and whose one-token steps run natively."""
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
+        # Inside a model this Python runs cold (the weights stream through the CPU's caches), so the
+        # test that rules most calls out comes first. A prompt runs LlamaAttention's forward in the slot
+        # it finds: the in-place slot first pays at a one-token step, and swapping it in for a prompt
+        # cost more than it saved in a short prefill (docs/performance.md).
+        if hidden_states.shape[-2] != 1:
+            return super().forward(hidden_states, *args, **kwargs)
         # transformers >= 5.2x passes the cache as `cache`, earlier 5.x as `past_key_values`.
         cache = kwargs.get("cache")
         if cache is None:
             cache = kwargs.get("past_key_values")
-        if cache is not None:
-            append_kv_cache_layer(cache, self.layer_idx)
-        if not self._decodes_natively(hidden_states, cache, args, kwargs):
+        slot = None if cache is None else append_kv_cache_layer(cache, self.layer_idx)
+        if (slot is None or slot.get_seq_length() + 1 < NATIVE_FROM_KEYS
+                or not self._decodes_natively(hidden_states, args, kwargs)):
             return super().forward(hidden_states, *args, **kwargs)
         q, k, v = rotary_qkv(self, hidden_states, kwargs["position_embeddings"])
         keys, values = cache.update(k, v, self.layer_idx)
@@ -69,26 +74,18 @@ class SoftmaxLlamaAttention(LlamaAttention):
             out = out.transpose(1, 2)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
-    def _decodes_natively(self, hidden_states: Tensor, cache: Cache | None, args: tuple, kwargs: dict) -> bool:
-        """A one-token inference step without a mask, under SDPA, over this layer's in-place cache of at
-        least NATIVE_FROM_KEYS keys, on CPU fp32 tensors whose heads the kernel covers."""
+    def _decodes_natively(self, hidden_states: Tensor, args: tuple, kwargs: dict) -> bool:
+        """A one-token inference step over a long in-place cache (checked by the caller) runs natively
+        without a mask, under SDPA, on CPU fp32 tensors whose heads the kernel covers."""
         return (
-            not args and cache is not None and hidden_states.dim() == 3 and hidden_states.shape[1] == 1
+            not args and hidden_states.dim() == 3
             and kwargs.get("attention_mask") is None and kwargs.get("position_embeddings") is not None
             and not kwargs.get("output_attentions") and not torch.is_grad_enabled()
             and self.config._attn_implementation == "sdpa"
             and hidden_states.is_cpu and hidden_states.dtype == torch.float32
             and self.head_dim % 16 == 0 and self.head_dim <= native.MAX_D and self.num_key_value_groups <= MAX_GROUP
-            and _cached_keys(cache, self.layer_idx) + 1 >= NATIVE_FROM_KEYS
             and native.enabled() and native.load() is not None
         )
-
-
-def _cached_keys(cache: Cache, layer_idx: int) -> int:
-    """Keys in the layer's in-place cache slot; 0 where the slot is another kind."""
-    layers = getattr(cache, "layers", None)
-    slot = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    return slot.get_seq_length() if isinstance(slot, AppendKVCacheLayer) else 0
 
 
 def as_softmax_layers(attention_modules: list[nn.Module]) -> None:
