@@ -23,9 +23,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from hybrid_llama.ops import (
+    SOFTMAX_PROMPT_BACKENDS,
     HedgehogFeatureMap,
     HybridState,
     SparseCacheConfig,
+    causal_softmax,
     hybrid_attention,
     hybrid_attention_step,
     sparse_cache_config,
@@ -340,9 +342,7 @@ class HybridLlamaAttention(LlamaAttention):
 
         q_len = q.shape[2]
         valid = keys_valid_from_mask(attention_mask, q_len)
-        fmap = self.op_feature_map()
         cfg = self.hybrid
-        wl, ll = self.mixing.window_logit, self.mixing.linear_logit
         slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
 
         if slot is None or slot.state is None:
@@ -353,30 +353,36 @@ class HybridLlamaAttention(LlamaAttention):
                 )
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
-            # A first prompt inside the window is causal softmax (the op runs SDPA): keep its k/v and
-            # build the state only if a decode step comes, as the op would (window_prompt_state).
-            defer = keep_state and valid is None and q_len <= cfg.window and not cfg.sparse.state_needs_queries
-            out, state = hybrid_attention(
-                q,
-                k,
-                v,
-                wl,
-                ll,
-                window=cfg.window,
-                backend=cfg.backend,
-                formulation=cfg.formulation,
-                feature_map=fmap,
-                key_padding_mask=valid,
-                output_final_state=keep_state and not defer,
-                **cfg.sparse_kwargs,
-            )
-            if defer:
-                build = partial(window_prompt_state, window=cfg.window, feature_map=fmap,
+            # A first prompt inside the window is causal softmax: keep its k/v and build the state only if
+            # a decode step comes, as the op would (window_prompt_state).
+            in_window = valid is None and q_len <= cfg.window and not (keep_state and cfg.sparse.state_needs_queries)
+            if in_window and cfg.backend in SOFTMAX_PROMPT_BACKENDS:
+                # What the op does with such a prompt, without its argument checks and dispatch: inside a
+                # model they cost more than the attention of a short prompt (docs/performance.md).
+                out, state = causal_softmax(q, k, v), None
+            else:
+                out, state = hybrid_attention(
+                    q,
+                    k,
+                    v,
+                    self.mixing.window_logit,
+                    self.mixing.linear_logit,
+                    window=cfg.window,
+                    backend=cfg.backend,
+                    formulation=cfg.formulation,
+                    feature_map=self.op_feature_map(),
+                    key_padding_mask=valid,
+                    output_final_state=keep_state and not in_window,
+                    **cfg.sparse_kwargs,
+                )
+            if keep_state and in_window:
+                build = partial(window_prompt_state, window=cfg.window, feature_map=self.op_feature_map(),
                                 sparse_cache=cfg.sparse_cache, sinks=cfg.sinks)
                 slot.defer_state(k.detach(), v.detach(), build)
             elif slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)
         else:
+            fmap, wl, ll = self.op_feature_map(), self.mixing.window_logit, self.mixing.linear_logit
             state, outs = slot.state, []
             for t in range(q_len):
                 # One token (every generate step): q, k, v as they are; slicing costs ops that run cold.

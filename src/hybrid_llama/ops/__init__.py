@@ -40,6 +40,8 @@ from .state import HybridState, init_state, prefill_state, window_prompt_state
 
 __all__ = [
     "hybrid_attention",
+    "causal_softmax",
+    "SOFTMAX_PROMPT_BACKENDS",
     "expand_kv",
     "hybrid_attention_step",
     "prefill_state",
@@ -122,7 +124,7 @@ def hybrid_attention(
                   output_final_state=output_final_state)
     _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
-    if (backend in ("auto", "chunked", "torch") and key_padding_mask is None and q.shape[2] <= window
+    if (backend in SOFTMAX_PROMPT_BACKENDS and key_padding_mask is None and q.shape[2] <= window
             and not (output_final_state and cache.state_needs_queries)):
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
         resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
@@ -163,13 +165,22 @@ def hybrid_attention(
     return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
 
 
+# Backends whose prompts inside the window are torch's causal SDPA (``causal_softmax``).
+SOFTMAX_PROMPT_BACKENDS = ("auto", "chunked", "torch")
+
+
+def causal_softmax(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The op on a prompt of T <= window tokens without padding, q ``[B, H, T, D]``, k/v ``[B, H_kv, T,
+    D]``: no key has left the window, so every formulation is causal softmax attention (the linear
+    part, the sparse cache and the mixing gates cancel out), which torch's SDPA computes."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap, cache: SparseCacheConfig,
                   output_final_state: bool) -> tuple[Tensor, HybridState | None]:
-    """T <= window and no padding: no key has left the window, so every formulation is causal
-    softmax attention (the linear part, the sparse cache and the mixing gates cancel out): torch's
-    SDPA computes it."""
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    """``causal_softmax`` and, on request, the state after the prompt."""
+    o = causal_softmax(q, k, v)
     if not output_final_state:
         return o, None
     return o, window_prompt_state(k, v, window=window, feature_map=feature_map, sparse_cache=cache.size,
