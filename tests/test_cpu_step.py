@@ -61,6 +61,29 @@ def test_native_step_equals_torch_step_and_naive_op(formulation, fmap, B, H, Hk,
     torch.testing.assert_close(native.z, torch_state.z, atol=1e-5, rtol=1e-5)
 
 
+def test_native_step_is_the_same_on_any_number_of_threads(native_calls):
+    """The kernel splits a step's KV heads, then its query heads, over torch's threads: one, two and
+    three threads (more than there are KV heads per batch row) give bit-identical outputs and states."""
+    B, H, Hk, D, w = 2, 9, 3, 16, 4
+    T = 3 * w + 1
+    q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T, D, "hedgehog")
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                runs.append(steps(q, k, v, wl, ll, init_state(B, Hk, D, w, feature_dim=fdim),
+                                  feature_map=feature, formulation="lolcats"))
+    finally:
+        torch.set_num_threads(threads)
+    assert native_calls == {"ran": 3 * T, "declined": 0}
+    (out, state), others = runs[0], runs[1:]
+    for other, other_state in others:
+        assert torch.equal(out, other)
+        assert all(torch.equal(getattr(state, f), getattr(other_state, f)) for f in ("k_window", "v_window", "S", "z"))
+
+
 def test_native_step_continues_a_prefill_and_follows_new_logits(native_calls):
     """From a chunked prefill's state, with the mixing logits changed in place mid-way (as an optimizer
     step does), the kernel's steps equal the naive op over the whole sequence."""
@@ -80,6 +103,44 @@ def test_native_step_continues_a_prefill_and_follows_new_logits(native_calls):
         naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
     torch.testing.assert_close(rest, naive[:, :, T + 5 :], atol=2e-6, rtol=1e-5)
     assert native_calls["ran"] == n and state.seen == T + n
+
+
+def test_prepared_step_follows_whatever_it_was_bound_to(native_calls):
+    """The kernel's call is prepared once per state and re-checked every step: a state buffer rebound
+    to a copy, a map's parameter replaced, a parameter moved by ``.data =``, a map module swapped and
+    new logits each take effect on the next step (outputs equal the torch step's with the same
+    inputs), and the kernel never writes the buffer it was bound to before."""
+    B, H, Hk, D, w, T = 1, 4, 2, 8, 4, 14
+    q, k, v, wl, ll, (qmap, kmap), fdim = problem(B, H, Hk, T, D, "hedgehog")
+    fast, slow = init_state(B, Hk, D, w, feature_dim=fdim), init_state(B, Hk, D, w, feature_dim=fdim)
+    left_behind = {}
+
+    def change(t):
+        nonlocal qmap, wl
+        if t == 3:
+            left_behind["S"] = fast.S
+            fast.S = fast.S.clone()
+            left_behind["S before"] = left_behind["S"].clone()
+        elif t == 5:
+            qmap.weight = torch.nn.Parameter(1.5 * qmap.weight.detach())
+        elif t == 7:
+            kmap.bias.data = kmap.bias.detach() + 0.3
+        elif t == 9:
+            qmap = trained_maps(H, Hk, D, seed=11)[0]
+        elif t == 11:
+            wl = wl + 1.0
+
+    with torch.no_grad():
+        for t in range(T):
+            change(t)
+            step = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            kw = dict(feature_map=(qmap, kmap), formulation="lolcats")
+            got, fast = hybrid_attention_step(*step, fast, wl, ll, inplace=True, **kw)
+            want, slow = hybrid_attention_step(*step, slow, wl, ll, backend="torch", **kw)
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5, msg=f"step {t}")
+    assert native_calls == {"ran": T, "declined": 0}
+    torch.testing.assert_close(fast.S, slow.S, atol=1e-5, rtol=1e-5)
+    assert torch.equal(left_behind["S"], left_behind["S before"])
 
 
 def test_torch_step_where_the_kernel_does_not_apply(native_calls, monkeypatch):
@@ -247,6 +308,40 @@ def test_generation_with_the_kernel_equals_the_torch_step(tmp_path):
                                         return_dict_in_generate=True)
     assert torch.equal(runs["1"].sequences, runs["0"].sequences)
     torch.testing.assert_close(torch.stack(runs["1"].logits), torch.stack(runs["0"].logits), atol=1e-4, rtol=1e-4)
+
+
+def test_peft_wrapped_layers_decode_with_their_trained_copies(tmp_path):
+    """Under peft's modules_to_save (how the LoRA stage trains mixing logits and feature maps) the
+    layers read the wrapper's trained copies at every step: cached greedy generation gives the
+    merged model's logits, not the logits of the copies peft keeps as originals."""
+    import copy
+
+    import peft
+
+    from hybrid_llama.models import convert_to_hybrid, load_model
+    from hybrid_llama.weights import resolve_model
+
+    model, _ = load_model(resolve_model({"kind": "random", "preset": "tiny"}, str(tmp_path / "tiny")))
+    convert_to_hybrid(model, layers=[0, 1], window=4, formulation="lolcats", feature_map="hedgehog")
+    original = copy.deepcopy(model).eval()
+    cfg = peft.LoraConfig(r=2, target_modules=["o_proj"], modules_to_save=["mixing", "feature_map"])
+    wrapped = peft.get_peft_model(model, cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if ".modules_to_save." in name:
+                p.add_(torch.randn(p.shape, generator=g))
+    merged = copy.deepcopy(wrapped).merge_and_unload().eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def logits(m):
+        out = m.generate(input_ids=ids, max_new_tokens=10, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True)
+        return torch.stack(out.logits)
+
+    got = logits(wrapped)
+    torch.testing.assert_close(got, logits(merged), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, logits(original), atol=1e-2)
 
 
 def test_without_a_compiler_the_torch_step_runs_and_says_so_once(tmp_path, monkeypatch, caplog):

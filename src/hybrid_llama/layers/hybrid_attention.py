@@ -324,7 +324,23 @@ class HybridLlamaAttention(LlamaAttention):
     def op_feature_map(self):
         """The layer's feature map as the ops take it: "elu1" by name (so backends can use their
         fused path), learnable maps as a (query_map, key_map) pair of modules."""
-        return "elu1" if isinstance(self.feature_map, Elu1FeatureMap) else self.feature_map.op_feature_map
+        # Read from the modules' own tables where they are ours: a decode step asks every token, and
+        # nn.Module.__getattr__ costs several times more. A wrapper (peft's) answers through its own.
+        fm = self._modules["feature_map"]
+        if isinstance(fm, Elu1FeatureMap):
+            return "elu1"
+        if type(fm) is QKFeatureMaps:
+            maps = fm._modules
+            return maps["q"], maps["k"]
+        return fm.op_feature_map
+
+    def op_logits(self) -> tuple[Tensor, Tensor]:
+        """(window_logit, linear_logit) as the ops take them (read as ``op_feature_map`` reads the maps)."""
+        mixing = self._modules["mixing"]
+        if type(mixing) is MixingLogits:
+            logits = mixing._parameters
+            return logits["window_logit"], logits["linear_logit"]
+        return mixing.window_logit, mixing.linear_logit
 
     def forward(
         self,
@@ -365,8 +381,7 @@ class HybridLlamaAttention(LlamaAttention):
                     q,
                     k,
                     v,
-                    self.mixing.window_logit,
-                    self.mixing.linear_logit,
+                    *self.op_logits(),
                     window=cfg.window,
                     backend=cfg.backend,
                     formulation=cfg.formulation,
@@ -382,7 +397,7 @@ class HybridLlamaAttention(LlamaAttention):
             elif slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)
         else:
-            fmap, wl, ll = self.op_feature_map(), self.mixing.window_logit, self.mixing.linear_logit
+            fmap, (wl, ll) = self.op_feature_map(), self.op_logits()
             state, outs = slot.state, []
             for t in range(q_len):
                 # One token (every generate step): q, k, v as they are; slicing costs ops that run cold.

@@ -5,7 +5,8 @@
  * key leaving the window into S and z, write the new key and value into the ring, window softmax,
  * feature map, linear readout, mix) as one call. The torch step issues about 20 small ops per layer
  * and token, and inside a model each of them runs cold (the other layers evicted its code and data),
- * so the step costs its op count, not its arithmetic.
+ * so the step costs its op count, not its arithmetic. Its KV heads' folds, then its query heads'
+ * readouts, are split over ``threads``.
  *
  * hybrid_sparse_step_f32: the same for the sparse cache's step (ops/sparse_decode.py), on the steps
  * that close no block.
@@ -268,10 +269,10 @@ static float linear_readout(int map, int D, int F, int h, const float *qh, const
 
 /* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step). */
 int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
-                    const float *q, const float *k, const float *v, float *k_win, float *v_win,
+                    int threads, const float *q, const float *k, const float *v, float *k_win, float *v_win,
                     unsigned char *valid, float *S, float *z, const float *window_logit, const float *linear_logit,
                     const float *wq, const float *bq, const float *wk, const float *bk, float *out) {
-    if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || w > MAX_W || F < 1 || F > MAX_F)
+    if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || w > MAX_W || F < 1 || F > MAX_F || threads < 1)
         return -1;
     if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
         return -1;
@@ -281,15 +282,21 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
     const int n = seen + 1 < w ? (int)(seen + 1) : w; /* keys in the window after the write: slots 0..n-1 */
     const int linear = folds && formulation != FORM_WINDOW;
     const float scale = 1.0f / sqrtf((float)D);
-    float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D]; /* 21 KB of stack at most */
+    const int BHk = B * Hk, BH = B * H;
 
-    for (int bi = 0; bi < B; bi++) {
-        valid[(size_t)bi * w + slot] = 1;
-        for (int kh = 0; kh < Hk; kh++) {
-            const size_t head = (size_t)bi * Hk + kh;
-            float *K = k_win + head * w * D, *V = v_win + head * w * D;
-            float *Sh = S + head * F * D, *zh = z + head * F;
+    for (int bi = 0; bi < B; bi++) valid[(size_t)bi * w + slot] = 1;
+    /* Two passes, split over the threads: each KV head folds its leaving key and writes the new one,
+     * then each query head reads its window and the linear state. Inside a model the state and the
+     * maps arrive cold from memory, and two cores stream them faster than one. */
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int bh = 0; bh < BHk; bh++) {
+            float *K = k_win + (size_t)bh * w * D, *V = v_win + (size_t)bh * w * D;
+            float *Sh = S + (size_t)bh * F * D, *zh = z + (size_t)bh * F;
             if (folds) {
+                const int kh = bh % Hk;
+                float phi[MAX_F];
                 feature_map(map, D, F, K + (size_t)slot * D, wk + (size_t)kh * D * (F / 2), bk + (size_t)kh * (F / 2),
                             phi);
                 const float *vo = V + (size_t)slot * D;
@@ -301,51 +308,54 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
                     zh[f] += pf;
                 }
             }
-            memcpy(K + (size_t)slot * D, k + head * D, sizeof(float) * D);
-            memcpy(V + (size_t)slot * D, v + head * D, sizeof(float) * D);
-
-            for (int j = 0; j < g; j++) {
-                const int h = kh * g + j;
-                const float *qh = q + ((size_t)bi * H + h) * D;
-                float *o = out + ((size_t)bi * H + h) * D;
-                float top = -INFINITY;
-                for (int i = 0; i < n; i++) {
-                    const float *ki = K + (size_t)i * D;
-                    float s = 0.0f;
-                    #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < D; d++) s += qh[d] * ki[d];
-                    scores[i] = s * scale;
-                    top = scores[i] > top ? scores[i] : top;
-                }
-                float win_sum = 0.0f;
-                #pragma omp simd reduction(+ : win_sum)
-                for (int i = 0; i < n; i++) {
-                    scores[i] = exp_nonpos(scores[i] - top);
-                    win_sum += scores[i];
-                }
-                memset(acc, 0, sizeof(float) * D);  /* sum_i exp(s_i - top) v_i */
-                for (int i = 0; i < n; i++) {
-                    const float e = scores[i];
-                    const float *vi = V + (size_t)i * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) acc[d] += e * vi[d];
-                }
-                if (!linear) {  /* softmax over the window: no key has left it, or the window-only control */
-                    const float inv = 1.0f / win_sum;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-                    continue;
-                }
-                const float den = linear_readout(map, D, F, h, qh, wq, bq, Sh, zh, phi, num);
-                /* lolcats: the window's unnormalised exp-scores share the normalizer with the linear
-                 * part; hybrid: the window enters as its softmax average with normalizer a. */
-                const float wa = 1.0f / (1.0f + expf(-window_logit[h]));  /* sigmoid: the mixing weights */
-                const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
-                const float win_weight = formulation == FORM_LOLCATS ? wa : wa / win_sum;
-                const float inv = 1.0f / (formulation == FORM_LOLCATS ? wa * win_sum + wb * den : wa + wb * den);
-                #pragma omp simd
-                for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + wb * num[d]) * inv;
+            memcpy(K + (size_t)slot * D, k + (size_t)bh * D, sizeof(float) * D);
+            memcpy(V + (size_t)slot * D, v + (size_t)bh * D, sizeof(float) * D);
+        }
+        #pragma omp for schedule(static)
+        for (int row = 0; row < BH; row++) {  /* row: (batch row, query head) */
+            const int h = row % H, bh = row / H * Hk + h / g;  /* query head h reads KV head h / g */
+            const float *K = k_win + (size_t)bh * w * D, *V = v_win + (size_t)bh * w * D;
+            const float *qh = q + (size_t)row * D;
+            float *o = out + (size_t)row * D;
+            float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D]; /* 21 KB of stack at most */
+            float top = -INFINITY;
+            for (int i = 0; i < n; i++) {
+                const float *ki = K + (size_t)i * D;
+                float s = 0.0f;
+                #pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qh[d] * ki[d];
+                scores[i] = s * scale;
+                top = scores[i] > top ? scores[i] : top;
             }
+            float win_sum = 0.0f;
+            #pragma omp simd reduction(+ : win_sum)
+            for (int i = 0; i < n; i++) {
+                scores[i] = exp_nonpos(scores[i] - top);
+                win_sum += scores[i];
+            }
+            memset(acc, 0, sizeof(float) * D);  /* sum_i exp(s_i - top) v_i */
+            for (int i = 0; i < n; i++) {
+                const float e = scores[i];
+                const float *vi = V + (size_t)i * D;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) acc[d] += e * vi[d];
+            }
+            if (!linear) {  /* softmax over the window: no key has left it, or the window-only control */
+                const float inv = 1.0f / win_sum;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+                continue;
+            }
+            const float den = linear_readout(map, D, F, h, qh, wq, bq, S + (size_t)bh * F * D, z + (size_t)bh * F,
+                                             phi, num);
+            /* lolcats: the window's unnormalised exp-scores share the normalizer with the linear
+             * part; hybrid: the window enters as its softmax average with normalizer a. */
+            const float wa = 1.0f / (1.0f + expf(-window_logit[h]));  /* sigmoid: the mixing weights */
+            const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
+            const float win_weight = formulation == FORM_LOLCATS ? wa : wa / win_sum;
+            const float inv = 1.0f / (formulation == FORM_LOLCATS ? wa * win_sum + wb * den : wa + wb * den);
+            #pragma omp simd
+            for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + wb * num[d]) * inv;
         }
     }
     return 0;

@@ -45,11 +45,13 @@ def _fp32_cpu(*tensors: Tensor) -> bool:
 class _Prepared:
     """A checked call for one state and one layer's parameters: every size and pointer but the
     token's own. Inside a model the Python around the kernel runs cold too (docs/performance.md), so
-    each step only checks that nothing it was prepared from has changed."""
+    each step only checks that nothing it was prepared from has changed (``_still_valid``)."""
 
-    sources: tuple  # the objects it was prepared from (kept alive here, so their ids stay theirs)
-    ids: tuple[int, ...]
-    pointers: tuple[int, ...]  # their data pointers: a parameter moved by .to() keeps its identity
+    buffers: tuple[Tensor, ...]  # the state's buffers, by identity (held here, so no id is reused)
+    logits: tuple[Tensor, Tensor]
+    maps: tuple  # (query map, key map or None)
+    params: tuple[Tensor, ...]  # the Hedgehog maps' (weight, bias) as read from their modules
+    pointers: tuple[int, ...]  # the logits' and params' data pointers: .to() keeps a tensor's identity
     formulation: str
     sizes: tuple[int, ...]  # B, H, Hk, D, w, F (and for the sparse step: sinks, cache size)
     q_shape: torch.Size
@@ -73,15 +75,6 @@ def _typed_as_the_kernel_reads(state) -> bool:
     names = _STATE_FIELDS + (() if state.sparse is None else _SPARSE_FIELDS)
     return all(t.is_cpu and t.dtype == (torch.bool if name.endswith("valid") else torch.float32)
                for name, t in zip(names, _buffers(state)))
-
-
-def _sources(state, window_logit: Tensor, linear_logit: Tensor, maps: tuple) -> tuple[tuple, tuple]:
-    """``(objects, pointers)``: the state's buffers, the logits and the maps with their parameters
-    (compared by id: the prepared call holds them, so no id is reused), and the data pointers of the
-    logits and parameters (``Module.to`` and ``.data =`` keep a tensor's identity, not its memory)."""
-    buffers = _buffers(state)
-    objects = (*buffers, window_logit, linear_logit, *maps)
-    return objects, tuple(t.data_ptr() for t in objects[len(buffers):] if isinstance(t, Tensor))
 
 
 def _kernel_maps(phi_q_map, phi_k_map, H: int, Hk: int, D: int, F: int) -> tuple[int, tuple] | None:
@@ -137,29 +130,43 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
     buffers = _buffers(state)
     if not all(t.is_contiguous() for t in buffers):
         return None
-    sources, pointers = _sources(state, window_logit, linear_logit, (phi_q_map, phi_k_map, *params))
     map_pointers = tuple(t.data_ptr() for t in params) or (None,) * (2 if phi_k_map is None else 4)
     args = (FORMULATION_CODES[formulation], fmap, *(t.data_ptr() for t in (*buffers, window_logit, linear_logit)),
             *map_pointers)
-    return _Prepared(sources, tuple(map(id, sources)), pointers, formulation, sizes, q.shape, k.shape, args)
+    pointers = (window_logit.data_ptr(), linear_logit.data_ptr(), *(t.data_ptr() for t in params))
+    # params: the maps' (weight, bias) as _still_valid reads them from the modules' tables
+    return _Prepared(buffers, (window_logit, linear_logit), (phi_q_map, phi_k_map), params, pointers, formulation,
+                     sizes, q.shape, k.shape, args)
 
 
 def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map) -> bool:
-    """Nothing the call was prepared from was replaced, moved or rebound (cheap: runs every token)."""
-    n = len(_STATE_FIELDS) + (0 if state.sparse is None else len(_SPARSE_FIELDS))
-    if (len(call.sources) < n + 4 or phi_q_map is not call.sources[n + 2] or phi_k_map is not call.sources[n + 3]
-            or formulation != call.formulation):
+    """Nothing the call was prepared from was replaced, moved or rebound. It runs every token, so it
+    compares identities and pointers one by one rather than building tuples of them."""
+    b, (wl, ll) = call.buffers, call.logits
+    if not (state.k_window is b[0] and state.v_window is b[1] and state.window_valid is b[2] and state.S is b[3]
+            and state.z is b[4] and window_logit is wl and linear_logit is ll and formulation == call.formulation
+            and phi_q_map is call.maps[0] and phi_k_map is call.maps[1]):
         return False
-    maps = (phi_q_map, phi_k_map)
-    if len(call.sources) > n + 4:  # Hedgehog maps: their parameters, read from the modules' own table (a
-        # plain dict look-up; attribute access through nn.Module.__getattr__ costs several times more)
-        qp = phi_q_map._parameters
-        maps += (qp["weight"], qp["bias"])
-        if phi_k_map is not None:
-            kp = phi_k_map._parameters
-            maps += (kp["weight"], kp["bias"])
-    objects, pointers = _sources(state, window_logit, linear_logit, maps)
-    return tuple(map(id, objects)) == call.ids and pointers == call.pointers
+    sparse = state.sparse
+    if (sparse is None) != (len(b) == 5) or (sparse is not None and not all(
+            getattr(sparse, name) is t for name, t in zip(_SPARSE_FIELDS, b[5:]))):
+        return False
+    if wl.data_ptr() != call.pointers[0] or ll.data_ptr() != call.pointers[1]:
+        return False
+    params = call.params
+    if not params:
+        return True
+    # The maps' parameters as registered now, from the modules' own tables (attribute access goes
+    # through nn.Module.__getattr__, several times dearer); None for the sparse step's key map.
+    qp = phi_q_map._parameters
+    now = (qp["weight"], qp["bias"]) if phi_k_map is None else (
+        qp["weight"], qp["bias"], phi_k_map._parameters["weight"], phi_k_map._parameters["bias"])
+    if len(now) != len(params):
+        return False
+    for t, held, pointer in zip(now, params, call.pointers[2:]):
+        if t is not held or t.data_ptr() != pointer:
+            return False
+    return True
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor, formulation: str,
@@ -167,13 +174,20 @@ def _call(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_l
     """The state's prepared call (``key`` in its ``__dict__``) and the token's q, k, v, or None."""
     call = state.__dict__.get(key)
     if call is None or not _still_valid(call, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
+        # HYBRID_LLAMA_NATIVE is read here, when a state's call is prepared (reading the environment
+        # costs more than the rest of a step's checks): a state keeps the path its first step took.
+        if not native.enabled() or native.load() is None:
+            return None
         call = _prepare(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map)
         if call is None:
             return None
         state.__dict__[key] = call
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy for a model's one-token q, k, v
-    if q.shape != call.q_shape or k.shape != call.kv_shape or v.shape != call.kv_shape or not _fp32_cpu(q, k, v):
+    if q.shape != call.q_shape or k.shape != call.kv_shape or v.shape != call.kv_shape:
         return None
+    for t in (q, k, v):  # _fp32_cpu, without a generator's cost per token
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return None
     return call, q, k, v
 
 
@@ -182,16 +196,13 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
     """Run the step natively, updating ``state`` in place; None when the kernel does not cover these
     arguments (the caller then runs the torch step). The caller guarantees: no autograd, the new key
     real, every key in the window real."""
-    if not native.enabled():
-        return None
     bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, "_native_step")
-    lib = native.load() if bound is not None else None
-    if lib is None:
+    if bound is None:
         return None
     call, q, k, v = bound
     out = torch.empty_like(q)
-    if lib.hybrid_step_f32(*call.sizes, state.seen, *call.args[:2], q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                           *call.args[2:], out.data_ptr()) != 0:
+    if native.load().hybrid_step_f32(*call.sizes, state.seen, *call.args[:2], torch.get_num_threads(), q.data_ptr(),
+                           k.data_ptr(), v.data_ptr(), *call.args[2:], out.data_ptr()) != 0:
         return None
     state.seen += 1
     return out
@@ -204,20 +215,17 @@ def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: T
     the kernel does not cover the arguments: the caller then runs the torch step
     (``sparse_decode``), the reference this is tested against. The caller guarantees: no autograd,
     the new key real, a score that keeps no attention sums (``sre``, ``random``)."""
-    if not native.enabled():
-        return None
     w, ns = state.window, state.sparse.sink_k.shape[2]
     leaving = state.seen - w
     if leaving >= ns and (leaving - ns) % w == w - 1:
         return None
     bound = _call(q, k, v, state, window_logit, linear_logit, "lolcats", phi_q_map, None, "_native_sparse_step")
-    lib = native.load() if bound is not None else None
-    if lib is None:
+    if bound is None:
         return None
     call, q, k, v = bound
     out = torch.empty_like(q)
-    if lib.hybrid_sparse_step_f32(*call.sizes, state.seen, call.args[1], q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                  *call.args[2:], out.data_ptr()) != 0:
+    if native.load().hybrid_sparse_step_f32(*call.sizes, state.seen, call.args[1], q.data_ptr(), k.data_ptr(),
+                                            v.data_ptr(), *call.args[2:], out.data_ptr()) != 0:
         return None
     state.seen += 1
     return out

@@ -4,7 +4,8 @@ through ctypes.
 The build runs ``$CC`` (else ``cc``) and is kept under ``$HYBRID_LLAMA_KERNEL_CACHE`` (default
 ``~/.cache/hybrid_llama/kernels``), keyed by the source, the flags and this CPU, so a cluster node
 never loads a build made for another CPU. Without a compiler the torch paths run instead (logged
-once); ``HYBRID_LLAMA_NATIVE=0`` turns the kernels off. ``cpu_step`` (the decode steps),
+once); ``HYBRID_LLAMA_NATIVE=0`` turns the kernels off (for a decode state, from the next state
+prepared: ``cpu_step`` reads it once per state). ``cpu_step`` (the decode steps),
 ``cpu_prefill`` (the parallel op), ``cpu_sparse`` (the sparse cache's parallel op) and
 ``softmax_decode`` (the softmax layers' decode step) decide when a call is covered; this module only
 builds and loads.
@@ -34,7 +35,7 @@ FORMULATION_CODES = {"hybrid": 0, "lolcats": 1, "window": 2}
 _I, _L, _P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
 # name -> (restype, argtypes) of every entry point, as cpu_kernels.c declares them
 SIGNATURES = {
-    "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I] + [_P] * 15),
+    "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I, _I] + [_P] * 15),
     "hybrid_sparse_step_f32": (_I, [_I] * 8 + [_L, _I] + [_P] * 22),
     "hybrid_sparse_group_f32": (_I, [_I] * 8 + [_L] * 4 + [_I, _I] + [_P, _L, _L, _L] * 3 + [_P] * 9
                                 + [_P, _L, _L, _L, _P]),
