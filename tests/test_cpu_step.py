@@ -310,6 +310,30 @@ def test_generation_with_the_kernel_equals_the_torch_step(tmp_path):
     torch.testing.assert_close(torch.stack(runs["1"].logits), torch.stack(runs["0"].logits), atol=1e-4, rtol=1e-4)
 
 
+def test_generate_steps_take_the_native_call_without_the_general_step(tmp_path, monkeypatch, native_calls):
+    """An unmasked one-token step of a hybrid layer goes straight to the native call (the general
+    step's dispatch is not entered) and cached generation still equals recomputing every step; a
+    padded batch's steps carry a mask and take the general step."""
+    from hybrid_llama.eval.throughput import greedy_decode
+    from hybrid_llama.layers import hybrid_attention as layer_module
+    from hybrid_llama.models import convert_to_hybrid, load_model
+    from hybrid_llama.weights import resolve_model
+
+    model, _ = load_model(resolve_model({"kind": "random", "preset": "tiny"}, str(tmp_path / "tiny")))
+    convert_to_hybrid(model, layers=[0, 1], window=4, formulation="lolcats", feature_map="hedgehog")
+    model.eval()
+    general = count_calls(monkeypatch, layer_module, "hybrid_attention_step")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(greedy_decode(model, ids, 10), greedy_decode(model, ids, 10, use_cache=False))
+    assert general == {"ran": 0, "declined": 0} and native_calls == {"ran": 10 * 2, "declined": 0}
+    padded = torch.cat([ids, ids[:, :5].flip(1)], dim=1).reshape(2, 7)
+    mask = torch.ones_like(padded)
+    mask[1, :2] = 0
+    model.generate(input_ids=padded, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert general["ran"] > 0  # the mask's steps
+
+
 def test_peft_wrapped_layers_decode_with_their_trained_copies(tmp_path):
     """Under peft's modules_to_save (how the LoRA stage trains mixing logits and feature maps) the
     layers read the wrapper's trained copies at every step: cached greedy generation gives the

@@ -232,6 +232,35 @@ def test_steps_run_natively_from_the_threshold(lively_dir, monkeypatch):
     assert calls == [True] * 6 * len(decoder_layers(model))
 
 
+def test_short_context_steps_make_llama_attentions_sdpa_call_themselves(lively_dir, monkeypatch):
+    """Below the native threshold an unmasked one-token step skips LlamaAttention's forward (its
+    attention-interface dispatch) and makes the same SDPA call: the logits are transformers' own,
+    step by step, and only the prompt ran LlamaAttention's forward."""
+    plain, ours, tok = plain_and_converted(lively_dir)
+    calls = count_native_steps(monkeypatch, from_keys=10**6)
+    generic = []
+    original = LlamaAttention.forward
+
+    def spy(self, hidden_states, *args, **kwargs):
+        if type(self) is SoftmaxLlamaAttention:
+            generic.append(hidden_states.shape[-2])
+        return original(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", spy)
+    ids = tok(["short steps are one sdpa call"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = plain(ids, use_cache=True)
+        got = ours(ids, use_cache=True)
+        token, cache_w, cache_g = want.logits[:, -1:].argmax(-1), want.past_key_values, got.past_key_values
+        for _ in range(10):
+            w = plain(token, past_key_values=cache_w, use_cache=True)
+            g = ours(token, past_key_values=cache_g, use_cache=True)
+            torch.testing.assert_close(g.logits, w.logits, atol=1e-6, rtol=1e-6)
+            token, cache_w, cache_g = w.logits.argmax(-1), w.past_key_values, g.past_key_values
+    assert generic == [ids.shape[1]] * len(decoder_layers(ours))  # the prompt only
+    assert calls == []
+
+
 def test_masked_batches_and_training_run_llama_attention(lively_dir, monkeypatch):
     """A padded batch decodes with a mask, and training needs autograd: both are LlamaAttention's
     forward, so they give what the plain model gives."""

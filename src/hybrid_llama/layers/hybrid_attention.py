@@ -30,6 +30,7 @@ from hybrid_llama.ops import (
     causal_softmax,
     hybrid_attention,
     hybrid_attention_step,
+    native_step_in_place,
     sparse_cache_config,
     window_prompt_state,
 )
@@ -81,6 +82,11 @@ class HybridConfig:
     @property
     def sparse_kwargs(self) -> dict[str, Any]:
         return {"sparse_cache": self.sparse_cache, "sinks": self.sinks, "cache_score": self.cache_score}
+
+    @property
+    def native_steps(self) -> bool:
+        """Whether a generate step may take the native CPU call (``ops.native_step_in_place``)."""
+        return self.backend in ("auto", "chunked") and not (self.sparse_cache or self.sinks)
 
     @property
     def sparse(self) -> SparseCacheConfig:
@@ -357,8 +363,14 @@ class HybridLlamaAttention(LlamaAttention):
         q, k, v = self.project(hidden_states, position_embeddings)
 
         q_len = q.shape[2]
-        valid = keys_valid_from_mask(attention_mask, q_len)
         cfg = self.hybrid
+        if q_len == 1 and q.is_cpu and attention_mask is None and past_key_values is not None and cfg.native_steps:
+            # A generate step on the CPU: the one native call, without the general path's dispatch
+            # (inside a model those lines cost about 1 % of a short-context step, docs/performance.md).
+            out = self._native_step(q, k, v, past_key_values)
+            if out is not None:
+                return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1)), None
+        valid = keys_valid_from_mask(attention_mask, q_len)
         slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
 
         if slot is None or slot.state is None:
@@ -419,6 +431,20 @@ class HybridLlamaAttention(LlamaAttention):
 
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
+
+    def _native_step(self, q: Tensor, k: Tensor, v: Tensor, cache: Cache) -> Tensor | None:
+        """An inference step of one unmasked token as ``native_step_in_place`` (None where it does not
+        apply: the general path then runs it)."""
+        if torch.is_grad_enabled():
+            return None
+        slot = hybrid_cache_layer(cache, self.layer_idx)
+        state = slot.state
+        if state is None:
+            return None
+        out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map())
+        if out is not None:
+            slot.set_state(state, 1)
+        return out
 
     def extra_repr(self) -> str:
         c = self.hybrid

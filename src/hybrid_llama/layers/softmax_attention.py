@@ -1,10 +1,12 @@
 """``SoftmaxLlamaAttention``: the attention of a hybrid model's layers that stay softmax.
 
-It is ``LlamaAttention`` with the same weights and parameter names and two changes for inference:
+It is ``LlamaAttention`` with the same weights and parameter names and three changes for inference:
 
 - from its first one-token step on, its KV cache slot is an ``AppendKVCacheLayer`` (keys written into a
   buffer with headroom instead of concatenated each step);
-- a one-token step over a long cache runs the native ``softmax_decode`` kernel, whose threads share
+- an unmasked one-token step makes the one SDPA call ``LlamaAttention`` would make, without the
+  attention-interface dispatch around it;
+- such a step over a long cache runs the native ``softmax_decode`` kernel instead, whose threads share
   each KV head's keys (such a cache streams from memory faster than through SDPA's CPU kernel).
 
 Everything else (prompts, training, masks, another attention implementation, output_attentions,
@@ -18,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from hybrid_llama.ops import native
@@ -48,7 +50,8 @@ NATIVE_FROM_KEYS = 1024
 
 
 class SoftmaxLlamaAttention(LlamaAttention):
-    """``LlamaAttention`` whose KV cache is appended in place and whose one-token steps run natively."""
+    """``LlamaAttention`` whose KV cache is appended in place and whose one-token steps skip its generic
+    dispatch (and run natively over a long cache)."""
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, None]:
         # Inside a model this Python runs cold (the weights stream through the CPU's caches), so the
@@ -62,27 +65,34 @@ class SoftmaxLlamaAttention(LlamaAttention):
         if cache is None:
             cache = kwargs.get("past_key_values")
         slot = None if cache is None else append_kv_cache_layer(cache, self.layer_idx)
-        if (slot is None or slot.get_seq_length() + 1 < NATIVE_FROM_KEYS
-                or not self._decodes_natively(hidden_states, args, kwargs)):
+        if slot is None or not self._steps_leanly(hidden_states, args, kwargs):
             return super().forward(hidden_states, *args, **kwargs)
         q, k, v = rotary_qkv(self, hidden_states, kwargs["position_embeddings"])
         keys, values = cache.update(k, v, self.layer_idx)
-        out = softmax_decode(q, keys, values, self.scaling)
-        if out is None:  # a cache the kernel does not read: SDPA, as LlamaAttention would call it
-            out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](self, q, keys, values, None, dropout=0.0, scaling=self.scaling)
-        else:
-            out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+        out = None
+        if keys.shape[2] >= NATIVE_FROM_KEYS and self._decodes_natively(hidden_states):
+            out = softmax_decode(q, keys, values, self.scaling)
+        if out is None:
+            # The call LlamaAttention's SDPA path makes for one unmasked query, without the generic
+            # dispatch around it (inside a model those lines cost about 1 % of a short-context step).
+            out = F.scaled_dot_product_attention(q, keys, values, scale=self.scaling,
+                                                 enable_gqa=self.num_key_value_groups > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
-    def _decodes_natively(self, hidden_states: Tensor, args: tuple, kwargs: dict) -> bool:
-        """A one-token inference step over a long in-place cache (checked by the caller) runs natively
-        without a mask, under SDPA, on CPU fp32 tensors whose heads the kernel covers."""
+    def _steps_leanly(self, hidden_states: Tensor, args: tuple, kwargs: dict) -> bool:
+        """A one-token inference step (checked by the caller) without a mask, under SDPA: LlamaAttention
+        would make one plain SDPA call, which the lean step makes itself."""
         return (
             not args and hidden_states.dim() == 3
             and kwargs.get("attention_mask") is None and kwargs.get("position_embeddings") is not None
-            and not kwargs.get("output_attentions") and not torch.is_grad_enabled()
-            and self.config._attn_implementation == "sdpa"
-            and hidden_states.is_cpu and hidden_states.dtype == torch.float32
+            and not kwargs.get("output_attentions") and not torch.is_grad_enabled() and not self.training
+            and self.config._attn_implementation == "sdpa" and self.head_dim <= 256
+        )
+
+    def _decodes_natively(self, hidden_states: Tensor) -> bool:
+        """The native kernel covers a lean step's CPU fp32 tensors and heads (the caller checked the rest)."""
+        return (
+            hidden_states.is_cpu and hidden_states.dtype == torch.float32
             and self.head_dim % 16 == 0 and self.head_dim <= native.MAX_D and self.num_key_value_groups <= MAX_GROUP
             and native.enabled() and native.load() is not None
         )

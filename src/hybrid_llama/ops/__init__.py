@@ -44,6 +44,7 @@ __all__ = [
     "SOFTMAX_PROMPT_BACKENDS",
     "expand_kv",
     "hybrid_attention_step",
+    "native_step_in_place",
     "prefill_state",
     "window_prompt_state",
     "init_state",
@@ -222,6 +223,19 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
     return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
 
 
+def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
+                         linear_logit: Tensor, formulation: str, feature_map: FeatureMap) -> Tensor | None:
+    """A real token's decode step as one native call on the CPU (``cpu_step``), updating ``state`` in
+    place: out ``[B, H, 1, D]``, or None where it does not apply (then nothing has changed). The
+    caller gives ``state`` up (a generation cache) and asks for the ``auto``/``chunked`` backend
+    without a sparse cache; :func:`hybrid_attention_step` is that call's general form."""
+    if (q.is_cpu and state.sparse is None and not torch.is_grad_enabled()
+            and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
+        return cpu_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
+                                      *resolve_qk_maps(feature_map))
+    return None
+
+
 def hybrid_attention_step(
     q: Tensor,
     k: Tensor,
@@ -248,13 +262,10 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``cpu_step`` covers the arguments.
     """
-    if (inplace and key_valid is None and backend in ("auto", "chunked") and q.is_cpu and state.sparse is None
-            and not (sparse_cache or sinks) and not torch.is_grad_enabled()
-            and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
-        # The common decode step of a generation cache on the CPU: one native call where it applies
-        # (checked first and kept lean: inside a model every line here runs cold).
-        out = cpu_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
-                                     *resolve_qk_maps(feature_map))
+    if inplace and key_valid is None and backend in ("auto", "chunked") and not (sparse_cache or sinks):
+        # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
+        # model every line here runs cold).
+        out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map)
         if out is not None:
             return out, state
     if (inplace and key_valid is None and state.sparse is not None and cache_score != "attention"
