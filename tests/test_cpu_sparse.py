@@ -8,7 +8,8 @@ import pytest
 import torch
 from op_inputs import count_calls, trained_maps
 
-from hybrid_llama.ops import cpu_sparse, hybrid_attention, hybrid_attention_step, native
+from hybrid_llama.ops import SparseCacheConfig, cpu_sparse, hybrid_attention, hybrid_attention_step, native
+from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
 
@@ -45,19 +46,27 @@ def assert_same_state(got, want):
 def test_matches_the_torch_and_naive_sparse_op(score, fmap, shape, native_calls):
     """Outputs equal the torch path's and the naive op's, and the decode state (ring, sinks, pending
     block, cache and its positions, S and z) the torch path's: for GQA, a batch of 2, D = 128, no
-    cache, no sinks, more sinks than a window, and prompts that end inside the first group."""
+    cache, no sinks, more sinks than a window, and prompts that end inside the first group. The
+    dispatcher takes the kernel for every prompt but those that fold no key (causal SDPA there)."""
     B, H, Hk, T, D, w, size, sinks = shape
     q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, fmap)
+    cache = SparseCacheConfig(size, sinks, score)
     kw = dict(window=w, formulation="lolcats", feature_map=feature, sparse_cache=size, sinks=sinks, cache_score=score)
     with torch.no_grad():
-        got, state = hybrid_attention(q, k, v, wl, ll, backend="chunked", output_final_state=True, **kw)
-        assert native_calls["ran"] == 1
-        want, want_state = hybrid_attention(q, k, v, wl, ll, backend="torch", output_final_state=True, **kw)
+        got, state = cpu_sparse.hybrid_attention_sparse_cpu(q, k, v, wl, ll, window=w, cache=cache, feature_map=feature,
+                                                            output_final_state=True)
+        want, want_state = hybrid_attention_sparse(q, k, v, wl, ll, window=w, cache=cache, feature_map=feature,
+                                                   output_final_state=True)
         naive, _ = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+        dispatched, dispatched_state = hybrid_attention(q, k, v, wl, ll, backend="chunked", output_final_state=True,
+                                                        **kw)
+    assert native_calls["ran"] == 1 + (T > cache.softmax_prompt_len(w))
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(got, naive, atol=2e-6, rtol=1e-5)
-    assert_same_state(state, want_state)
-    assert torch.equal(state.sparse.cache_pos, want_state.sparse.cache_pos)
+    torch.testing.assert_close(dispatched, naive, atol=2e-6, rtol=1e-5)
+    for one in (state, dispatched_state):
+        assert_same_state(one, want_state)
+        assert torch.equal(one.sparse.cache_pos, want_state.sparse.cache_pos)
 
 
 def test_decode_continues_the_native_prefill(native_calls):

@@ -231,6 +231,72 @@ def test_prompt_inside_the_window_then_decode_equals_parallel(score):
     torch.testing.assert_close(torch.cat(rest, 2), full[:, :, cut:], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("size,sinks,score,feature", [(6, 2, "sre", "elu1"), (16, 1, "random", "hedgehog"),
+                                                      (0, 3, "sre", "hedgehog"), (19, 0, "sre", "elu1")])
+def test_prompts_that_fold_no_key_are_causal_softmax_with_the_ops_state(size, sinks, score, feature, monkeypatch):
+    """At inference a prompt in which no close folds a key (``softmax_prompt_len``) is causal SDPA; its
+    state, built from the keys alone, is the sparse op's own final state, and decoding on from it
+    across later folds gives the parallel op. One token longer, the sparse op runs (the last query
+    sees a fold)."""
+    import hybrid_llama.ops as ops
+
+    w = 8
+    cfg = SparseCacheConfig(size, sinks, score)
+    bound = cfg.softmax_prompt_len(w)
+    assert bound > w
+    total = bound + 3 * w
+    q, k, v, wl, ll = make(T=total, seed=3)
+    fmap = (HedgehogFeatureMap(4, 8), HedgehogFeatureMap(2, 8)) if feature == "hedgehog" else "elu1"
+    kw = dict(formulation="lolcats", feature_map=fmap, sparse_cache=size, sinks=sinks, cache_score=score)
+    softmax = count_calls(monkeypatch, ops, "causal_softmax")
+    with torch.no_grad():
+        full, _ = hybrid_attention(q, k, v, wl, ll, window=w, **kw)
+        for T in (w + 1, bound, bound + 1):
+            before = softmax["ran"]
+            got, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w,
+                                          output_final_state=True, **kw)
+            assert softmax["ran"] == before + (T <= bound)
+            want, want_state = hybrid_attention_sparse(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w,
+                                                       cache=cfg, feature_map=fmap, output_final_state=True)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(got, full[:, :, :T], atol=2e-5, rtol=1e-4)
+            assert bool(want_state.S.any()) == (T > bound)  # the op folded nothing up to the bound
+            for name in ("k_window", "v_window", "window_valid", "S", "z"):
+                torch.testing.assert_close(getattr(state, name), getattr(want_state, name), atol=1e-6, rtol=1e-6)
+            for name in ("sink_k", "sink_valid", "pend_k", "pend_valid", "cache_k", "cache_valid", "cache_pos"):
+                torch.testing.assert_close(getattr(state.sparse, name), getattr(want_state.sparse, name),
+                                           atol=0, rtol=0)
+            assert state.seen == want_state.seen == T
+            rest = []
+            for t in range(T, total):
+                o, state = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, wl, ll,
+                                                 **kw)
+                rest.append(o)
+            torch.testing.assert_close(torch.cat(rest, 2), full[:, :, T:], atol=2e-5, rtol=1e-4)
+    # under autograd only the window counts: the sparse op's gradients are what training always had
+    before = softmax["ran"]
+    hybrid_attention(q[:, :, :bound], k[:, :, :bound], v[:, :, :bound], wl.requires_grad_(), ll, window=w, **kw)
+    assert softmax["ran"] == before
+
+
+def test_model_prompt_that_folds_nothing_decodes_as_recomputed(lively_dir):
+    """A first prompt past the window that folds no key takes the softmax path in the layer and defers
+    the sparse state; cached greedy generation from it equals recomputing every step."""
+    model, tok = load_model(lively_dir, dtype=torch.float32)
+    convert_to_hybrid(model, [0, 2], window=4, formulation="lolcats", feature_map="hedgehog", sparse_cache=5, sinks=1)
+    randomize_hybrid_params(model)
+    model.eval()
+    bound = SparseCacheConfig(5, 1).softmax_prompt_len(4)
+    enc = tok(["a prompt long enough to leave the window but fold nothing yet"], return_tensors="pt")
+    enc = {name: t[:, :bound] for name, t in enc.items()}
+    assert enc["input_ids"].shape[1] == bound > 4
+    with torch.no_grad():
+        out = model(**enc, use_cache=True)
+    slot = out.past_key_values.layers[0]
+    assert isinstance(slot, HybridCacheLayer) and slot._prefix is not None  # deferred: no state built yet
+    assert torch.equal(greedy(model, enc, 20), greedy(model, enc, 20, use_cache=False))
+
+
 def _state_after(q, k, v, wl, ll, w, n, mask, kw):
     """The decode state after n steps from an empty one."""
     size, sinks, score = kw["sparse_cache"], kw["sinks"], kw["cache_score"]

@@ -37,7 +37,7 @@ def window_shares(
     context length (the windows of ``perplexity_vs_context``). Rows: ``tables.COMPONENT_COLUMNS``."""
     from hybrid_llama.layers import HybridLlamaAttention
     from hybrid_llama.ops.reference import window_share
-    from hybrid_llama.ops.sparse_cache import SparseCacheConfig, hybrid_attention_sparse
+    from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
 
     layers = {m.layer_idx: m for m in model.modules() if isinstance(m, HybridLlamaAttention)}
     if not layers:
@@ -56,11 +56,11 @@ def window_shares(
             T = q.shape[2]
             queries = torch.arange(max(0, T - tail), T, device=q.device)
             cfg = layer.hybrid
-            wl, ll = layer.mixing.window_logit, layer.mixing.linear_logit
+            wl, ll = layer.op_logits()
             if cfg.sparse_cache or cfg.sinks:  # three parts: window, sinks + cache + pending, linear state
                 _, _, shares = hybrid_attention_sparse(
                     q, k, v, wl, ll, window=cfg.window, feature_map=layer.op_feature_map(), return_shares=True,
-                    cache=SparseCacheConfig(cfg.sparse_cache, cfg.sinks, cfg.cache_score),
+                    cache=cfg.sparse,
                 )
                 window, cache = shares[:, :, queries, 0], shares[:, :, queries, 1]
             else:

@@ -30,9 +30,10 @@ from hybrid_llama.ops import (
     causal_softmax,
     hybrid_attention,
     hybrid_attention_step,
+    is_softmax_prompt,
     native_step_in_place,
+    softmax_prompt_state,
     sparse_cache_config,
-    window_prompt_state,
 )
 from hybrid_llama.ops.reference import FORMULATIONS
 
@@ -168,7 +169,7 @@ class HybridCacheLayer(CacheLayerMixin):
     def __init__(self) -> None:
         super().__init__()
         self._state: HybridState | None = None
-        # A prompt that fits in the window, kept as its keys/values until a decode step needs the state:
+        # A prompt that is causal softmax, kept as its keys/values until a decode step needs the state:
         # (k, v, build). Building the ring buffers and sums is most of what such a prefill would cost
         # beyond causal SDPA, and a forward that never decodes (scoring) never needs them.
         self._prefix: tuple[Tensor, Tensor, Callable[[Tensor, Tensor], HybridState]] | None = None
@@ -209,8 +210,8 @@ class HybridCacheLayer(CacheLayerMixin):
         self.seen += consumed
 
     def defer_state(self, k: Tensor, v: Tensor, build: Callable[[Tensor, Tensor], HybridState]) -> None:
-        """Keep a first prompt's keys/values ``[B, H_kv, T, D]`` (T <= window) as they are; the state is
-        ``build(k, v)``, made when first read."""
+        """Keep a first prompt's keys/values ``[B, H_kv, T, D]`` (a causal-softmax prompt) as they are; the
+        state is ``build(k, v)``, made when first read."""
         if self.seen or self._state is not None:
             raise RuntimeError("only a cache's first prompt can be deferred")
         if not self.is_initialized:
@@ -381,9 +382,11 @@ class HybridLlamaAttention(LlamaAttention):
                 )
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
-            # A first prompt inside the window is causal softmax: keep its k/v and build the state only if
-            # a decode step comes, as the op would (window_prompt_state).
-            in_window = valid is None and q_len <= cfg.window and not (keep_state and cfg.sparse.state_needs_queries)
+            # A first prompt inside the window (or, at inference, one that folds no key into a sparse cache's
+            # linear state) is causal softmax: keep its k/v and build the state only if a decode step comes,
+            # as the op would (softmax_prompt_state).
+            in_window = (valid is None and is_softmax_prompt(q_len, cfg.window, cfg.sparse)
+                         and not (keep_state and cfg.sparse.state_needs_queries))
             if in_window and cfg.backend in SOFTMAX_PROMPT_BACKENDS:
                 # What the op does with such a prompt, without its argument checks and dispatch: inside a
                 # model they cost more than the attention of a short prompt (docs/performance.md).
@@ -403,8 +406,8 @@ class HybridLlamaAttention(LlamaAttention):
                     **cfg.sparse_kwargs,
                 )
             if keep_state and in_window:
-                build = partial(window_prompt_state, window=cfg.window, feature_map=self.op_feature_map(),
-                                sparse_cache=cfg.sparse_cache, sinks=cfg.sinks)
+                build = partial(softmax_prompt_state, window=cfg.window, cache=cfg.sparse,
+                                feature_map=self.op_feature_map())
                 slot.defer_state(k.detach(), v.detach(), build)
             elif slot is not None:
                 slot.set_state(None if state is None else state.detach(), q_len)

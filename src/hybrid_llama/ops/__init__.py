@@ -33,7 +33,7 @@ from .decode import hybrid_attention_step_torch
 from .feature_maps import FeatureMap, HedgehogFeatureMap, elu1, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
 from .reference import check_inputs, hybrid_attention_reference
-from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse
+from .sparse_cache import CACHE_SCORES, SparseCacheConfig, hybrid_attention_sparse, softmax_prompt_state
 from .sparse_decode import hybrid_attention_step_sparse, init_sparse_state
 from .sparse_reference import hybrid_attention_sparse_reference
 from .state import HybridState, init_state, prefill_state, window_prompt_state
@@ -41,12 +41,14 @@ from .state import HybridState, init_state, prefill_state, window_prompt_state
 __all__ = [
     "hybrid_attention",
     "causal_softmax",
+    "is_softmax_prompt",
     "SOFTMAX_PROMPT_BACKENDS",
     "expand_kv",
     "hybrid_attention_step",
     "native_step_in_place",
     "prefill_state",
     "window_prompt_state",
+    "softmax_prompt_state",
     "init_state",
     "HybridState",
     "HedgehogFeatureMap",
@@ -125,7 +127,7 @@ def hybrid_attention(
                   output_final_state=output_final_state)
     _check_backend(backend)
     cache = sparse_cache_config(sparse_cache, sinks, cache_score, formulation)
-    if (backend in SOFTMAX_PROMPT_BACKENDS and key_padding_mask is None and q.shape[2] <= window
+    if (backend in SOFTMAX_PROMPT_BACKENDS and key_padding_mask is None and is_softmax_prompt(q.shape[2], window, cache)
             and not (output_final_state and cache.state_needs_queries)):
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
         resolve_qk_maps(feature_map)  # rejects unknown maps, as the other paths do
@@ -178,14 +180,21 @@ def causal_softmax(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+def is_softmax_prompt(T: int, window: int, cache: SparseCacheConfig) -> bool:
+    """Whether a prompt of T real tokens is causal softmax (``causal_softmax``): inside the window, or,
+    at inference, within the sparse cache's ``softmax_prompt_len``. Under autograd only the window
+    counts: past it the sparse op's exact zero gradients for the mixing logits and maps are its own
+    rounding, which an optimizer would still act on, so training keeps what it computed before."""
+    return T <= window or (T <= cache.softmax_prompt_len(window) and not torch.is_grad_enabled())
+
+
 def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap, cache: SparseCacheConfig,
                   output_final_state: bool) -> tuple[Tensor, HybridState | None]:
     """``causal_softmax`` and, on request, the state after the prompt."""
     o = causal_softmax(q, k, v)
     if not output_final_state:
         return o, None
-    return o, window_prompt_state(k, v, window=window, feature_map=feature_map, sparse_cache=cache.size,
-                                  sinks=cache.sinks)
+    return o, softmax_prompt_state(k, v, window=window, cache=cache, feature_map=feature_map)
 
 
 def sparse_cache_config(size: int, sinks: int, score: str, formulation: str) -> SparseCacheConfig:

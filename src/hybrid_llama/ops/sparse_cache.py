@@ -38,7 +38,7 @@ from torch import Tensor
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .gqa import expand_kv
 from .reference import combine, mixing_weights
-from .state import HybridState, empty_sparse_state, init_state
+from .state import HybridState, empty_sparse_state, init_state, window_prompt_state
 
 CACHE_SCORES = ("sre", "random", "attention")
 SRE_EPS = 1e-6
@@ -63,6 +63,14 @@ class SparseCacheConfig:
     @property
     def active(self) -> bool:
         return self.size > 0 or self.sinks > 0
+
+    def softmax_prompt_len(self, window: int) -> int:
+        """The longest prompt (without padding) in which no query sees a folded key, so the op is causal
+        softmax over it: ``window`` without the cache. With it, block J closes at t = sinks + (J + 2) w
+        - 1 among (J + 1) w candidates, and the first close with more than ``size`` of them folds."""
+        if not self.active:
+            return window
+        return self.sinks + (self.size // window + 2) * window - 1
 
     @property
     def state_needs_queries(self) -> bool:
@@ -283,3 +291,27 @@ def sparse_final_state(state, k, v, real, T, w, cache, S, z, cache_idx, cache_ok
     return HybridState(k_window, v_window, valid, S.detach(), z.detach(), T, sparse=sp)
 
 
+
+
+def softmax_prompt_state(k: Tensor, v: Tensor, *, window: int, cache: SparseCacheConfig,
+                         feature_map: FeatureMap = "elu1") -> HybridState:
+    """The state after a prompt of real keys ``[B, H_kv, T, D]`` that is causal softmax (T <=
+    ``cache.softmax_prompt_len(window)``, a score other than ``attention``): what the op's final state
+    would be, built from the keys alone. Inside the window that is ``window_prompt_state``; beyond it
+    the closed blocks' keys all sit in the cache, in position order (no close had more candidates than
+    slots), and the linear sums are zero."""
+    B, Hk, T, D = k.shape
+    if T <= window:
+        return window_prompt_state(k, v, window=window, feature_map=feature_map, sparse_cache=cache.size,
+                                   sinks=cache.sinks)
+    if T > cache.softmax_prompt_len(window) or cache.state_needs_queries:
+        raise ValueError(f"a prompt of {T} tokens folds keys (window {window}, {cache}): it is not causal softmax")
+    closed = (len(group_bounds(T, window, cache.sinks)) - 1) * window  # keys of the blocks closed by T
+    cache_idx = torch.zeros(B, Hk, cache.size, dtype=torch.long, device=k.device)
+    cache_idx[..., :closed] = torch.arange(cache.sinks, cache.sinks + closed, device=k.device)
+    cache_ok = torch.zeros(B, Hk, cache.size, dtype=torch.bool, device=k.device)
+    cache_ok[..., :closed] = True
+    state = init_state(B, Hk, D, window, feature_dim=resolve_qk_maps(feature_map)[1](k[:, :, :1].float()).shape[-1],
+                       device=k.device, dtype=k.dtype)
+    real = torch.ones(B, T, dtype=torch.bool, device=k.device)
+    return sparse_final_state(state, k, v, real, T, window, cache, state.S, state.z, cache_idx, cache_ok, None)
