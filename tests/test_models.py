@@ -190,6 +190,18 @@ def test_convert_errors(tiny_model):
         make_hybrid_attention(model.model.layers[0].self_attn, HybridConfig(layers=[0]))
 
 
+def test_sparse_settings_follow_the_config_fields():
+    """``HybridConfig.sparse`` is kept between reads, and follows fields set after the first read;
+    the config's dict and equality stay its fields'."""
+    cfg = HybridConfig(layers=[0], formulation="lolcats")
+    first = cfg.sparse
+    assert cfg.sparse is first and not first.active
+    cfg.sparse_cache, cfg.sinks, cfg.cache_score = 8, 2, "random"
+    assert (cfg.sparse.size, cfg.sparse.sinks, cfg.sparse.score) == (8, 2, "random")
+    assert cfg == HybridConfig(layers=[0], formulation="lolcats", sparse_cache=8, sinks=2, cache_score="random")
+    assert "_sparse" not in cfg.to_dict()
+
+
 # ------------------------------------------------------------------------------------- the layer
 
 

@@ -91,7 +91,12 @@ class HybridConfig:
 
     @property
     def sparse(self) -> SparseCacheConfig:
-        return SparseCacheConfig(self.sparse_cache, self.sinks, self.cache_score)
+        # Kept while the three fields stay as they are: a layer asks several times per prompt, and
+        # building the checked dataclass runs cold inside a model.
+        held = self.__dict__.get("_sparse")
+        if held is None or (held.size, held.sinks, held.score) != (self.sparse_cache, self.sinks, self.cache_score):
+            held = self.__dict__["_sparse"] = SparseCacheConfig(self.sparse_cache, self.sinks, self.cache_score)
+        return held
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -365,14 +370,14 @@ class HybridLlamaAttention(LlamaAttention):
 
         q_len = q.shape[2]
         cfg = self.hybrid
-        if q_len == 1 and q.is_cpu and attention_mask is None and past_key_values is not None and cfg.native_steps:
+        slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
+        if q_len == 1 and slot is not None and q.is_cpu and attention_mask is None and cfg.native_steps:
             # A generate step on the CPU: the one native call, without the general path's dispatch
             # (inside a model those lines cost about 1 % of a short-context step, docs/performance.md).
-            out = self._native_step(q, k, v, past_key_values)
+            out = self._native_step(q, k, v, slot)
             if out is not None:
                 return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1)), None
         valid = keys_valid_from_mask(attention_mask, q_len)
-        slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
 
         if slot is None or slot.state is None:
             if slot is not None and slot.seen > 0:
@@ -435,14 +440,11 @@ class HybridLlamaAttention(LlamaAttention):
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 
-    def _native_step(self, q: Tensor, k: Tensor, v: Tensor, cache: Cache) -> Tensor | None:
+    def _native_step(self, q: Tensor, k: Tensor, v: Tensor, slot: HybridCacheLayer) -> Tensor | None:
         """An inference step of one unmasked token as ``native_step_in_place`` (None where it does not
-        apply: the general path then runs it)."""
-        if torch.is_grad_enabled():
-            return None
-        slot = hybrid_cache_layer(cache, self.layer_idx)
+        apply, a prompt's first token included: the general path then runs it)."""
         state = slot.state
-        if state is None:
+        if state is None or torch.is_grad_enabled():
             return None
         out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map())
         if out is not None:
