@@ -279,6 +279,21 @@ def test_prompts_that_fold_no_key_are_causal_softmax_with_the_ops_state(size, si
     assert softmax["ran"] == before
 
 
+def test_softmax_prompt_state_reads_the_map_width_as_the_window_prompt_does():
+    """A single Hedgehog map of the query heads with GQA: the state of a prompt past the window that
+    folds nothing has the KV heads and F of a prompt inside it (the map is not applied to KV-head keys)."""
+    q, k, v, wl, ll = make(B=1, T=20)
+    kw = dict(formulation="lolcats", feature_map=HedgehogFeatureMap(4, 8), sparse_cache=6, sinks=2)
+    assert SparseCacheConfig(6, 2).softmax_prompt_len(8) >= 15
+    with torch.no_grad():
+        _, inside = hybrid_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], wl, ll, window=8, output_final_state=True,
+                                     **kw)
+        _, past = hybrid_attention(q[:, :, :15], k[:, :, :15], v[:, :, :15], wl, ll, window=8,
+                                   output_final_state=True, **kw)
+    assert past.k_window.shape == inside.k_window.shape == (1, 2, 8, 8)
+    assert past.S.shape == inside.S.shape == (1, 2, 16, 8)
+
+
 def test_model_prompt_that_folds_nothing_decodes_as_recomputed(lively_dir):
     """A first prompt past the window that folds no key takes the softmax path in the layer and defers
     the sparse state; cached greedy generation from it equals recomputing every step."""

@@ -38,7 +38,7 @@ from torch import Tensor
 from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from .gqa import expand_kv
 from .reference import combine, mixing_weights
-from .state import HybridState, empty_sparse_state, init_state, window_prompt_state
+from .state import HybridState, empty_sparse_state, init_state, key_feature_dim, window_prompt_state
 
 CACHE_SCORES = ("sre", "random", "attention")
 SRE_EPS = 1e-6
@@ -311,7 +311,6 @@ def softmax_prompt_state(k: Tensor, v: Tensor, *, window: int, cache: SparseCach
     cache_idx[..., :closed] = torch.arange(cache.sinks, cache.sinks + closed, device=k.device)
     cache_ok = torch.zeros(B, Hk, cache.size, dtype=torch.bool, device=k.device)
     cache_ok[..., :closed] = True
-    state = init_state(B, Hk, D, window, feature_dim=resolve_qk_maps(feature_map)[1](k[:, :, :1].float()).shape[-1],
-                       device=k.device, dtype=k.dtype)
+    state = init_state(B, Hk, D, window, feature_dim=key_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
     real = torch.ones(B, T, dtype=torch.bool, device=k.device)
     return sparse_final_state(state, k, v, real, T, window, cache, state.S, state.z, cache_idx, cache_ok, None)

@@ -167,7 +167,7 @@ def prefill_state(
     if real is not None and (real.shape != (B, T) or real.dtype != torch.bool):
         raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}], got {real.dtype} {tuple(real.shape)}")
 
-    state = init_state(B, H, D, window, feature_dim=_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
+    state = init_state(B, H, D, window, feature_dim=key_feature_dim(feature_map, k), device=k.device, dtype=k.dtype)
     n_lin = max(T - window, 0)  # positions 0 .. T-1-w have left the window
     if linear_sums is not None:  # often views into one [S | z] buffer: the in-place step wants its own memory
         state.S, state.z = (t.contiguous() for t in linear_sums)
@@ -213,7 +213,9 @@ def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: Featu
     return torch.matmul(k_features.transpose(-1, -2), v.float()), k_features.sum(dim=2)
 
 
-def _feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
+def key_feature_dim(feature_map: FeatureMap, k: Tensor) -> int:
+    """Width F of the key map's features for keys ``k`` ``[B, H, T, D]``: from the map where it says, else
+    measured on one token."""
     try:
         return feature_dim_of(feature_map, k.shape[-1])
     except ValueError:  # an arbitrary callable: measure it on one token
