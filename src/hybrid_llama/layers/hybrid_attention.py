@@ -390,9 +390,9 @@ class HybridLlamaAttention(LlamaAttention):
             # A first prompt inside the window (or, at inference, one that folds no key into a sparse cache's
             # linear state) is causal softmax: keep its k/v and build the state only if a decode step comes,
             # as the op would (softmax_prompt_state).
-            in_window = (valid is None and is_softmax_prompt(q_len, cfg.window, cfg.sparse)
+            softmax_prompt = (valid is None and is_softmax_prompt(q_len, cfg.window, cfg.sparse)
                          and not (keep_state and cfg.sparse.state_needs_queries))
-            if in_window and cfg.backend in SOFTMAX_PROMPT_BACKENDS:
+            if softmax_prompt and cfg.backend in SOFTMAX_PROMPT_BACKENDS:
                 # What the op does with such a prompt, without its argument checks and dispatch: inside a
                 # model they cost more than the attention of a short prompt (docs/performance.md).
                 out, state = causal_softmax(q, k, v), None
@@ -407,10 +407,10 @@ class HybridLlamaAttention(LlamaAttention):
                     formulation=cfg.formulation,
                     feature_map=self.op_feature_map(),
                     key_padding_mask=valid,
-                    output_final_state=keep_state and not in_window,
+                    output_final_state=keep_state and not softmax_prompt,
                     **cfg.sparse_kwargs,
                 )
-            if keep_state and in_window:
+            if keep_state and softmax_prompt:
                 build = partial(softmax_prompt_state, window=cfg.window, cache=cfg.sparse,
                                 feature_map=self.op_feature_map())
                 slot.defer_state(k.detach(), v.detach(), build)
@@ -444,7 +444,7 @@ class HybridLlamaAttention(LlamaAttention):
         """An inference step of one unmasked token as ``native_step_in_place`` (None where it does not
         apply, a prompt's first token included: the general path then runs it)."""
         state = slot.state
-        if state is None or torch.is_grad_enabled():
+        if state is None:
             return None
         out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map())
         if out is not None:
