@@ -61,6 +61,49 @@ def test_native_step_equals_torch_step_and_naive_op(formulation, fmap, B, H, Hk,
     torch.testing.assert_close(native.z, torch_state.z, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows_apart", [False, True])
+def test_native_step_applies_llamas_rope_itself(rows_apart):
+    """Given q and k before RoPE and the token's (cos, sin) from transformers' Llama rotary embedding
+    (one position for the batch, or one per row), the kernel's outputs and ring equal the step on q and
+    k rotated by transformers' apply_rotary_pos_emb, and the general step's on them."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    B, H, Hk, D, w, T = 2, 6, 2, 16, 4, 11
+    q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T, D, "hedgehog", seed=13)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=H * D, num_attention_heads=H, rope_theta=500.0))
+    start = torch.tensor([[3], [40]]) if rows_apart else torch.tensor([[7]])
+    fused, rotated, general = (init_state(B, Hk, D, w, feature_dim=fdim) for _ in range(3))
+    with torch.no_grad():
+        for t in range(T):
+            cos, sin = rotary(v[:, :1, t], start + t)  # [1 | B, 1, D]
+            qt, kt, vt = q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]
+            qr, kr = apply_rotary_pos_emb(qt, kt, cos, sin)
+            assert not torch.allclose(qr, qt)  # the rotation is not the identity at these positions
+            got = cpu_step.step_in_place(qt, kt, vt, fused, wl, ll, "lolcats", *feature, rope=(cos, sin))
+            want = cpu_step.step_in_place(qr, kr, vt, rotated, wl, ll, "lolcats", *feature)
+            torch_out, general = hybrid_attention_step(qr, kr, vt, general, wl, ll, feature_map=feature,
+                                                       formulation="lolcats", backend="torch")
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got, torch_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(fused.k_window, rotated.k_window, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused.k_window, general.k_window, atol=1e-6, rtol=1e-5)
+    assert torch.equal(fused.v_window, rotated.v_window)
+    torch.testing.assert_close(fused.S, general.S, atol=1e-5, rtol=1e-5)
+
+
+def test_native_step_declines_rope_tables_it_cannot_read(native_calls):
+    """Tables of another width or dtype are declined before anything is written; the caller then rotates."""
+    B, H, Hk, D, w = 1, 4, 2, 8, 4
+    q, k, v, wl, ll, _, _ = problem(B, H, Hk, 1, D, "elu1")
+    state = init_state(B, Hk, D, w)
+    with torch.no_grad():
+        for cos in (torch.ones(1, 1, D // 2), torch.ones(1, 1, D, dtype=torch.float64), torch.ones(3, 1, D)):
+            assert cpu_step.step_in_place(q, k, v, state, wl, ll, "lolcats", cpu_step.elu1, cpu_step.elu1,
+                                          rope=(cos, torch.zeros_like(cos))) is None
+    assert state.seen == 0 and not state.window_valid.any()
+
+
 def test_native_step_is_the_same_on_any_number_of_threads(native_calls):
     """The kernel splits a step's KV heads, then its query heads, over torch's threads: one, two and
     three threads (more than there are KV heads per batch row) give bit-identical outputs and states."""
@@ -323,10 +366,12 @@ def test_generate_steps_take_the_native_call_without_the_general_step(tmp_path, 
     convert_to_hybrid(model, layers=[0, 1], window=4, formulation="lolcats", feature_map="hedgehog")
     model.eval()
     general = count_calls(monkeypatch, layer_module, "hybrid_attention_step")
+    rotated_natively = count_calls(monkeypatch, cpu_step, "_rope_pointers")
     ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(greedy_decode(model, ids, 10), greedy_decode(model, ids, 10, use_cache=False))
     assert general == {"ran": 0, "declined": 0} and native_calls == {"ran": 10 * 2, "declined": 0}
+    assert rotated_natively == {"ran": 10 * 2, "declined": 0}  # q and k went in before RoPE
     padded = torch.cat([ids, ids[:, :5].flip(1)], dim=1).reshape(2, 7)
     mask = torch.ones_like(padded)
     mask[1, :2] = 0

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from hybrid_llama.ops import (
     SOFTMAX_PROMPT_BACKENDS,
@@ -37,7 +37,7 @@ from hybrid_llama.ops import (
 )
 from hybrid_llama.ops.reference import FORMULATIONS
 
-from .softmax_attention import rotary_qkv
+from .softmax_attention import qkv_heads, rotary_qkv
 
 FEATURE_MAPS = ("elu1", "hedgehog")
 
@@ -366,17 +366,21 @@ class HybridLlamaAttention(LlamaAttention):
         # transformers >= 5.2x passes the cache as `cache`, earlier 5.x as `past_key_values`.
         past_key_values = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
-        q, k, v = self.project(hidden_states, position_embeddings)
-
-        q_len = q.shape[2]
+        q_len = input_shape[-1]
         cfg = self.hybrid
         slot = hybrid_cache_layer(past_key_values, self.layer_idx) if past_key_values is not None else None
-        if q_len == 1 and slot is not None and q.is_cpu and attention_mask is None and cfg.native_steps:
-            # A generate step on the CPU: the one native call, without the general path's dispatch
-            # (inside a model those lines cost about 1 % of a short-context step, docs/performance.md).
-            out = self._native_step(q, k, v, slot)
+        if (q_len == 1 and slot is not None and hidden_states.is_cpu and attention_mask is None
+                and cfg.native_steps and type(self).project is HybridLlamaAttention.project):
+            # A generate step on the CPU: the one native call, RoPE included, without the general path's
+            # dispatch or apply_rotary_pos_emb's small ops (inside a model each runs cold and costs more
+            # than its arithmetic; docs/performance.md).
+            q, k, v = qkv_heads(self, hidden_states)
+            out = self._native_step(q, k, v, slot, position_embeddings)
             if out is not None:
                 return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1)), None
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        else:
+            q, k, v = self.project(hidden_states, position_embeddings)
         valid = keys_valid_from_mask(attention_mask, q_len)
 
         if slot is None or slot.state is None:
@@ -440,13 +444,15 @@ class HybridLlamaAttention(LlamaAttention):
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 
-    def _native_step(self, q: Tensor, k: Tensor, v: Tensor, slot: HybridCacheLayer) -> Tensor | None:
-        """An inference step of one unmasked token as ``native_step_in_place`` (None where it does not
-        apply, a prompt's first token included: the general path then runs it)."""
+    def _native_step(self, q: Tensor, k: Tensor, v: Tensor, slot: HybridCacheLayer,
+                     position_embeddings: tuple[Tensor, Tensor]) -> Tensor | None:
+        """An inference step of one unmasked token, q and k before RoPE, as ``native_step_in_place`` (None
+        where it does not apply, a prompt's first token included: the general path then runs it)."""
         state = slot.state
         if state is None:
             return None
-        out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map())
+        out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map(),
+                                   position_embeddings)
         if out is not None:
             slot.set_state(state, 1)
         return out

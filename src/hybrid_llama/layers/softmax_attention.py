@@ -30,16 +30,21 @@ from hybrid_llama.ops.softmax_decode import MAX_GROUP, softmax_decode
 from .append_kv_cache import append_kv_cache_layer
 
 
-def rotary_qkv(attn: LlamaAttention, hidden_states: Tensor,
-               position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """q ``[B, H, T, D]`` and k, v ``[B, H_kv, T, D]`` of a Llama attention layer's input, RoPE applied to
-    q and k; k and v stay at the KV heads."""
+def qkv_heads(attn: LlamaAttention, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q ``[B, H, T, D]`` and k, v ``[B, H_kv, T, D]`` of a Llama attention layer's input, before RoPE;
+    k and v stay at the KV heads."""
     hidden_shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
     q = attn.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     k = attn.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     v = attn.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def rotary_qkv(attn: LlamaAttention, hidden_states: Tensor,
+               position_embeddings: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`qkv_heads` with RoPE applied to q and k."""
+    q, k, v = qkv_heads(attn, hidden_states)
+    q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
     return q, k, v
 
 

@@ -233,15 +233,17 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
 
 
 def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
-                         linear_logit: Tensor, formulation: str, feature_map: FeatureMap) -> Tensor | None:
+                         linear_logit: Tensor, formulation: str, feature_map: FeatureMap,
+                         rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """A real token's decode step as one native call on the CPU (``cpu_step``), updating ``state`` in
     place: out ``[B, H, 1, D]``, or None where it does not apply (then nothing has changed). The
     caller gives ``state`` up (a generation cache) and asks for the ``auto``/``chunked`` backend
-    without a sparse cache; :func:`hybrid_attention_step` is that call's general form."""
+    without a sparse cache; :func:`hybrid_attention_step` is that call's general form. ``rope``: the
+    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it)."""
     if (q.is_cpu and state.sparse is None and not torch.is_grad_enabled()
             and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
         return cpu_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
-                                      *resolve_qk_maps(feature_map))
+                                      *resolve_qk_maps(feature_map), rope)
     return None
 
 

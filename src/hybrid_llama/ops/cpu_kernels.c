@@ -268,11 +268,25 @@ static float linear_readout(int map, int D, int F, int h, const float *qh, const
 }
 
 /* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step). */
+/* RoPE as transformers' Llama applies it (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the
+ * halves x1, x2), for one D-vector (D even) at one position: cos and sin hold that position's D values. */
+static inline void rotate(int D, const float *x, const float *cos, const float *sin, float *y) {
+    const int half = D / 2;
+    for (int d = 0; d < half; d++) y[d] = x[d] * cos[d] - x[d + half] * sin[d];
+    for (int d = half; d < D; d++) y[d] = x[d] * cos[d] + x[d - half] * sin[d];
+}
+
+/* cos, sin: NULL where q and k arrive rotated; else q and k arrive before RoPE and the kernel applies
+ * it (the layer then skips the dozen small torch ops of apply_rotary_pos_emb). Batch row b's position
+ * reads cos + b * rope_stride (0: one position for every row). */
 int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
                     int threads, const float *q, const float *k, const float *v, float *k_win, float *v_win,
                     unsigned char *valid, float *S, float *z, const float *window_logit, const float *linear_logit,
-                    const float *wq, const float *bq, const float *wk, const float *bk, float *out) {
+                    const float *wq, const float *bq, const float *wk, const float *bk, float *out,
+                    const float *cos, const float *sin, long long rope_stride) {
     if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || w > MAX_W || F < 1 || F > MAX_F || threads < 1)
+        return -1;
+    if (cos != NULL && (sin == NULL || D % 2 || rope_stride < 0))
         return -1;
     if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
         return -1;
@@ -308,16 +322,26 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
                     zh[f] += pf;
                 }
             }
-            memcpy(K + (size_t)slot * D, k + (size_t)bh * D, sizeof(float) * D);
+            if (cos != NULL) {
+                const size_t at = (size_t)(bh / Hk) * (size_t)rope_stride;
+                rotate(D, k + (size_t)bh * D, cos + at, sin + at, K + (size_t)slot * D);
+            } else {
+                memcpy(K + (size_t)slot * D, k + (size_t)bh * D, sizeof(float) * D);
+            }
             memcpy(V + (size_t)slot * D, v + (size_t)bh * D, sizeof(float) * D);
         }
         #pragma omp for schedule(static)
         for (int row = 0; row < BH; row++) {  /* row: (batch row, query head) */
             const int h = row % H, bh = row / H * Hk + h / g;  /* query head h reads KV head h / g */
             const float *K = k_win + (size_t)bh * w * D, *V = v_win + (size_t)bh * w * D;
-            const float *qh = q + (size_t)row * D;
             float *o = out + (size_t)row * D;
-            float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D]; /* 21 KB of stack at most */
+            float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D], rotated[MAX_D]; /* 22 KB of stack at most */
+            const float *qh = q + (size_t)row * D;
+            if (cos != NULL) {
+                const size_t at = (size_t)(row / H) * (size_t)rope_stride;
+                rotate(D, qh, cos + at, sin + at, rotated);
+                qh = rotated;
+            }
             float top = -INFINITY;
             for (int i = 0; i < n; i++) {
                 const float *ki = K + (size_t)i * D;

@@ -191,18 +191,36 @@ def _call(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_l
     return call, q, k, v
 
 
+def _rope_pointers(rope: tuple[Tensor, Tensor], B: int, D: int) -> tuple[int, int, int] | None:
+    """``(cos, sin, row stride)`` as the kernel reads one token's RoPE tables ``[1 | B, 1, D]``, or None."""
+    cos, sin = rope
+    if cos.shape != sin.shape or cos.shape[-1] != D or cos.numel() not in (D, B * D):
+        return None
+    for t in (cos, sin):
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return None
+    return cos.data_ptr(), sin.data_ptr(), 0 if cos.numel() == D else D
+
+
 def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor,
-                  formulation: str, phi_q_map, phi_k_map) -> Tensor | None:
+                  formulation: str, phi_q_map, phi_k_map, rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """Run the step natively, updating ``state`` in place; None when the kernel does not cover these
     arguments (the caller then runs the torch step). The caller guarantees: no autograd, the new key
-    real, every key in the window real."""
+    real, every key in the window real.
+
+    ``rope``: the token's ``(cos, sin)`` as transformers' Llama rotary embedding gives them; q and k then
+    arrive before RoPE and the kernel rotates them (the ring keeps the rotated key). None: q and k are
+    rotated already. Where this returns None, q and k are as they came (still to be rotated)."""
     bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, "_native_step")
     if bound is None:
         return None
     call, q, k, v = bound
+    rotation = (None, None, 0) if rope is None else _rope_pointers(rope, q.shape[0], q.shape[-1])
+    if rotation is None:
+        return None
     out = torch.empty_like(q)
     if native.load().hybrid_step_f32(*call.sizes, state.seen, *call.args[:2], torch.get_num_threads(), q.data_ptr(),
-                           k.data_ptr(), v.data_ptr(), *call.args[2:], out.data_ptr()) != 0:
+                                     k.data_ptr(), v.data_ptr(), *call.args[2:], out.data_ptr(), *rotation) != 0:
         return None
     state.seen += 1
     return out

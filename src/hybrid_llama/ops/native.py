@@ -35,7 +35,7 @@ FORMULATION_CODES = {"hybrid": 0, "lolcats": 1, "window": 2}
 _I, _L, _P = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
 # name -> (restype, argtypes) of every entry point, as cpu_kernels.c declares them
 SIGNATURES = {
-    "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I, _I] + [_P] * 15),
+    "hybrid_step_f32": (_I, [_I] * 6 + [_L, _I, _I, _I] + [_P] * 17 + [_L]),
     "hybrid_sparse_step_f32": (_I, [_I] * 8 + [_L, _I] + [_P] * 22),
     "hybrid_sparse_group_f32": (_I, [_I] * 8 + [_L] * 4 + [_I, _I] + [_P, _L, _L, _L] * 3 + [_P] * 9
                                 + [_P, _L, _L, _L, _P]),
