@@ -176,6 +176,46 @@ def test_decode_steps_take_turns_within_a_round(tiny_model_dir, monkeypatch):
     assert slow.loc["decode", "time_s"] == pytest.approx(4.0 * (1 + 1.5 + 1 + 1.5))
 
 
+class _Interrupted(_Costed):
+    """As ``_Costed`` (no drift), but its own ``at``-th forward takes ``extra`` seconds more: another
+    process had the CPU during that one call."""
+
+    def __init__(self, config, name: str, cost: float, clock: _VirtualClock, at: int, extra: float):
+        super().__init__(config, name, cost, clock, spell=10**6)
+        self.at, self.extra, self.forwards = at, extra, 0
+
+    def forward(self, input_ids=None, **kw):
+        self.forwards += 1
+        if self.forwards == self.at:
+            self.clock.now += self.extra
+        return super().forward(input_ids=input_ids, **kw)
+
+
+@pytest.mark.parametrize("interrupted", ["base", "slow"])
+@pytest.mark.parametrize("phase,at", [("prefill", 8), ("decode", 12)])
+def test_an_interrupted_call_moves_neither_time_nor_ratio(tiny_model_dir, monkeypatch, interrupted, phase, at):
+    """A round's phase is its median call: one call stretched by 30 s (of either variant, in a short
+    prefill or a decode step) leaves every time and ratio as without it; a mean over the round's calls
+    would carry the 30 s into one variant's time and move the ratio far from 0.5."""
+    from hybrid_llama.eval import throughput
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(throughput, "time", clock)
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    costs = {"base": 1.0, "slow": 2.0}
+    variants = {name: (_Interrupted(cfg, name, cost, clock, at if name == interrupted else -1, 30.0).eval(), None,
+                       "x") for name, cost in costs.items()}
+    # warm-up round: 1 prefill + 5 steps each (forwards 1-6); 5 s / 2 s -> 3 prefills each in the timed
+    # round (forwards 7-9), then 5 steps (10-14)
+    df = measure_throughput(variants, seq_lens=[3], decode_tokens=5, repeats=1, warmup=1, prefill_min_s=5.0)
+    assert (df["prefill_calls"] == 3).all()
+    slow = df[df["variant"] == "slow"].set_index("phase")
+    base = df[df["variant"] == "base"].set_index("phase")
+    assert slow.loc[phase, "speedup"] == pytest.approx(0.5)
+    assert base.loc["prefill", "time_s"] == pytest.approx(1.0) and slow.loc["prefill", "time_s"] == pytest.approx(2.0)
+    assert base.loc["decode", "time_s"] == pytest.approx(5.0) and slow.loc["decode", "time_s"] == pytest.approx(10.0)
+
+
 def test_short_prefills_repeat_within_a_round(tiny_model_dir, monkeypatch):
     """Prefills quicker than prefill_min_s run several times per round, the variants taking turns;
     the count comes from the slowest variant in the first round, the time reported is per call."""

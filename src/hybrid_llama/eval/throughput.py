@@ -7,7 +7,9 @@ For each variant and each prompt length L (an exact token count of random ids):
 - decode: from that cache, ``decode_tokens`` greedy steps of one token each.
 
 Each repeat (a round) runs a fresh prefill then the decode; ``warmup`` untimed rounds come first;
-the median over ``repeats`` is reported with its min and max. In a round every variant prefills the
+the median over ``repeats`` is reported with its min and max. Within a round a phase counts its median
+call (a decode phase: its median step, times the steps), so a call the machine interrupted neither
+slows that round's time nor pulls its ratio to base towards 1. In a round every variant prefills the
 same prompt in turn (several times over for prompts whose prefill takes less than
 ``prefill_min_s``), then the variants take turns at each decode step, so base and hybrid are
 timed milliseconds apart; each variant's speed-up over base is the median of per-round ratios: on a
@@ -219,7 +221,8 @@ def _interleaved_round(models: dict[str, Any], ids: torch.Tensor, decode_tokens:
     every step (who goes first rotates). A slow spell of the machine then lands on all of them within
     one call's time, instead of on whichever ran during it. Decode continues from the last prefill.
 
-    Returns ``({name: {"prefill": (s per prefill, growth), "decode": (s, growth), "cache_bytes": n}},
+    Returns ``({name: {"prefill": (median s per prefill, growth), "decode": (median s per step x
+    steps, growth), "cache_bytes": n}},
     {name: exception})``. A phase's growth is the most one of its calls raised the memory above its
     level just before the call (other models' caches are alive meanwhile and do not count)."""
     clock = _Clock(device)
@@ -254,9 +257,13 @@ def _interleaved_round(models: dict[str, Any], ids: torch.Tensor, decode_tokens:
             done = timed(name, "decode", decode_step, models[name], *live[name])
             if done is not None:
                 live[name] = list(done)
-    per_call = {"prefill": prefill_calls, "decode": 1}
+    # A phase's time in the round is its median call (a decode phase: the median step times its steps).
+    # Whatever else the machine runs lands on single calls and only adds time: a sum would carry it
+    # into both variants' times and pull their ratio towards 1, a median leaves it out.
+    per_phase = {"prefill": 1, "decode": decode_tokens}
     results = {
-        name: {**{phase: (sum(clock.seconds(i) for i in mark[phase]) / per_call[phase], mark["growth"][phase])
+        name: {**{phase: (statistics.median([clock.seconds(i) for i in mark[phase]]) * per_phase[phase],
+                          mark["growth"][phase])
                   for phase in ("prefill", "decode")}, "cache_bytes": mark["cache_bytes"]}
         for name, mark in marks.items() if name in live
     }
