@@ -267,7 +267,6 @@ static float linear_readout(int map, int D, int F, int h, const float *qh, const
     return den;
 }
 
-/* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step). */
 /* RoPE as transformers' Llama applies it (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1) for the
  * halves x1, x2), for one D-vector (D even) at one position: cos and sin hold that position's D values. */
 static inline void rotate(int D, const float *x, const float *cos, const float *sin, float *y) {
@@ -276,7 +275,8 @@ static inline void rotate(int D, const float *x, const float *cos, const float *
     for (int d = half; d < D; d++) y[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-/* cos, sin: NULL where q and k arrive rotated; else q and k arrive before RoPE and the kernel applies
+/* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step).
+ * cos, sin: NULL where q and k arrive rotated; else q and k arrive before RoPE and the kernel applies
  * it (the layer then skips the dozen small torch ops of apply_rotary_pos_emb). Batch row b's position
  * reads cos + b * rope_stride (0: one position for every row). */
 int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
