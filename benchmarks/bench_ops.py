@@ -18,17 +18,17 @@ or when the previous T of the same backend took longer than ``--max-call-s``.
 Decode: states are prefilled with a context of 1K and of 32K tokens, then
 ``hybrid_attention_step`` (in place, as a generation cache runs it) is timed over ``--decode-steps``
 tokens each (median per step), as a model runs it on the CPU (``backend="auto"``: the native step of
-``ops/cpu_kernels.c``) and as the torch ops' step (``backend="torch"``); the paths and
+``ops/native/cpu_kernels.c``) and as the torch ops' step (``backend="torch"``); the paths and
 contexts are interleaved in rounds of 10 steps so that load changes hit both alike). A softmax
 KV-cache step (one query over the whole context, cache not grown) is timed alongside for contrast,
-as SDPA and as the hybrid model's softmax layers run it (``ops/softmax_decode.py``, native), the two
+as SDPA and as the hybrid model's softmax layers run it (``ops/native/softmax_decode.py``, native), the two
 alternating step by step.
 
 The matmul floor: the best rate of an fp32 product of two 2048 x 2048 matrices on the same threads,
 and for each T the op's FLOPs (``op_flops``: the window's and the linear state's work that any
 algorithm must do) divided by it. ``chunked / floor`` is how far the backend is from doing only
 that work at the machine's best matmul rate. ``chunked`` is the backend as a model runs it on the
-CPU without autograd (the native recurrence of ``ops/cpu_prefill.py`` where it applies), ``torch``
+CPU without autograd (the native recurrence of ``ops/native/prefill.py`` where it applies), ``torch``
 the same backend's torch ops alone (what training runs).
 
 GQA (``--gqa-kv-heads N``, replaces the runs above): the chunked backend on k/v with N KV heads,
@@ -85,7 +85,7 @@ def run_case(backend: str, B: int, H: int, T: int, D: int, window: int, threads:
     import torch.nn.functional as F
 
     from hybrid_llama.ops import hybrid_attention
-    from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
+    from hybrid_llama.ops.hybrid.seed_naive import hybrid_attention_seed_naive
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -94,7 +94,7 @@ def run_case(backend: str, B: int, H: int, T: int, D: int, window: int, threads:
         q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
         wl, ll = torch.randn(H, generator=g), torch.randn(H, generator=g)
         return {
-            # "chunked" is what a model runs on the CPU (the native recurrence of ops/cpu_prefill.py
+            # "chunked" is what a model runs on the CPU (the native recurrence of ops/native/prefill.py
             # where it applies), "torch" the chunked backend's torch ops alone
             "chunked": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="chunked")[0],
             "torch": lambda: hybrid_attention(q, k, v, wl, ll, window=window, backend="torch")[0],
@@ -140,7 +140,7 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
     import torch.nn.functional as F
 
     from hybrid_llama.ops import hybrid_attention_step, prefill_state
-    from hybrid_llama.ops.softmax_decode import softmax_decode
+    from hybrid_llama.ops.native.softmax_decode import softmax_decode
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -148,7 +148,7 @@ def run_decode(B: int, H: int, D: int, window: int, contexts: list[int], steps: 
     res = {}
     with torch.no_grad():
         states, caches = {}, {}
-        # "auto" is what a model runs on the CPU (the native step, ops/cpu_kernels.c, where it applies),
+        # "auto" is what a model runs on the CPU (the native step, ops/native/cpu_kernels.c, where it applies),
         # "torch" the torch ops' in-place step it replaces.
         paths = ("auto", "torch")
         for ctx in contexts:
@@ -204,7 +204,7 @@ def run_gqa(B: int, H: int, kv_heads: int, D: int, window: int, Ts: list[int], r
     import torch
 
     from hybrid_llama.ops import expand_kv
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -262,7 +262,7 @@ def op_flops(B: int, H: int, T: int, D: int, window: int) -> float:
 
 
 def chunked_flops(B: int, H: int, T: int, D: int, window: int, chunk: int = 64, slab: int = 1024) -> float:
-    """The matmul FLOPs the ``chunked`` backend executes (ops/chunked.py): each block of w queries
+    """The matmul FLOPs the ``chunked`` backend executes (ops/hybrid/chunked.py): each block of w queries
     against 2 w keys under a band mask (twice the window's work), and per chunk of C keys the
     increment phi(K)^T [V, 1], the prefix-sum matmul over a slab's chunks, the query's read of the
     state, and the intra-chunk causal product (C F + C (D + 1) per query)."""

@@ -95,8 +95,8 @@ def compile_only(arch: int = 90) -> int:
     from triton.compiler import ASTSource
     from triton.compiler import compile as triton_compile
 
-    from hybrid_llama.ops import triton_decode as dec
-    from hybrid_llama.ops import triton_prefill as pre
+    from hybrid_llama.ops.triton import decode as dec
+    from hybrid_llama.ops.triton import prefill as pre
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     f32 = "*fp32"
@@ -212,11 +212,11 @@ def main() -> int:
     import triton
 
     from hybrid_llama.ops import HedgehogFeatureMap
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
-    from hybrid_llama.ops.decode import HybridState
-    from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
-    from hybrid_llama.ops.triton_decode import hybrid_attention_step_triton
-    from hybrid_llama.ops.triton_prefill import hybrid_attention_triton
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.seed_naive import hybrid_attention_seed_naive
+    from hybrid_llama.ops.state import HybridState
+    from hybrid_llama.ops.triton.decode import hybrid_attention_step_triton
+    from hybrid_llama.ops.triton.prefill import hybrid_attention_triton
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)

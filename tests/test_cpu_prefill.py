@@ -10,7 +10,9 @@ import pytest
 import torch
 from op_inputs import count_calls, trained_maps
 
-from hybrid_llama.ops import cpu_prefill, hybrid_attention, hybrid_attention_step, native
+from hybrid_llama.ops import hybrid_attention, hybrid_attention_step
+from hybrid_llama.ops.native import build as native
+from hybrid_llama.ops.native import prefill as cpu_prefill
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 from op_inputs import count_calls, trained_maps
 
-from hybrid_llama.ops import SparseCacheConfig, cpu_sparse, hybrid_attention, hybrid_attention_step, native
-from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
+from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, hybrid_attention_step
+from hybrid_llama.ops.native import build as native
+from hybrid_llama.ops.native import sparse_prefill as cpu_sparse
+from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
 
@@ -51,7 +53,7 @@ def test_matches_the_torch_and_naive_sparse_op(score, fmap, shape, native_calls)
     B, H, Hk, T, D, w, size, sinks = shape
     q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, fmap)
     cache = SparseCacheConfig(size, sinks, score)
-    kw = dict(window=w, formulation="lolcats", feature_map=feature, sparse_cache=size, sinks=sinks, cache_score=score)
+    kw = dict(window=w, formulation="lolcats", feature_map=feature, sparse=SparseCacheConfig(size, sinks, score))
     with torch.no_grad():
         got, state = cpu_sparse.hybrid_attention_sparse_cpu(q, k, v, wl, ll, window=w, cache=cache, feature_map=feature,
                                                             output_final_state=True)
@@ -74,7 +76,7 @@ def test_decode_continues_the_native_prefill(native_calls):
     over the whole sequence."""
     B, H, Hk, D, w, T, n = 1, 6, 2, 64, 8, 45, 30
     q, k, v, wl, ll, feature = problem(B, H, Hk, T + n, D, "hedgehog", seed=7)
-    kw = dict(formulation="lolcats", feature_map=feature, sparse_cache=5, sinks=2)
+    kw = dict(formulation="lolcats", feature_map=feature, sparse=SparseCacheConfig(5, 2))
     with torch.no_grad():
         _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
                                     output_final_state=True, **kw)
@@ -93,11 +95,11 @@ def test_torch_path_where_the_kernel_does_not_apply(native_calls, monkeypatch):
     HYBRID_LLAMA_NATIVE=0 all take the torch path, with its results."""
     B, H, Hk, T, D, w = 2, 4, 2, 40, 64, 8
     q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, "elu1")
-    kw = dict(window=w, formulation="lolcats", sparse_cache=4, sinks=1)
+    kw = dict(window=w, formulation="lolcats", sparse=SparseCacheConfig(4, 1))
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 3] = False
     with torch.no_grad():
-        hybrid_attention(q, k, v, wl, ll, **kw, cache_score="attention")
+        hybrid_attention(q, k, v, wl, ll, **(kw | dict(sparse=SparseCacheConfig(4, 1, "attention"))))
         hybrid_attention(q, k, v, wl, ll, **kw, key_padding_mask=mask)
         hybrid_attention(q[..., :32], k[..., :32], v[..., :32], wl, ll, **kw)
         hybrid_attention(q, k, v, wl, ll, **kw, backend="torch")

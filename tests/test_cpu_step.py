@@ -9,7 +9,9 @@ import pytest
 import torch
 from op_inputs import count_calls, trained_maps
 
-from hybrid_llama.ops import cpu_step, hybrid_attention, hybrid_attention_step, init_state, native
+from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, hybrid_attention_step, init_state
+from hybrid_llama.ops.native import build as native
+from hybrid_llama.ops.native import step as cpu_step
 from hybrid_llama.ops.state import prefill_state
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
@@ -236,7 +238,7 @@ def test_native_sparse_step_equals_torch_step_and_naive_op(score, fmap, B, H, Hk
     naive O(T^2) sparse op's; it runs every step but the one in w that closes a block."""
     n = 5 * w + sinks + 3
     q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + n, D, fmap, seed=11)
-    kw = dict(feature_map=feature, formulation="lolcats", sparse_cache=size, sinks=sinks, cache_score=score)
+    kw = dict(feature_map=feature, formulation="lolcats", sparse=SparseCacheConfig(size, sinks, score))
     head = (q[:, :, :T], k[:, :, :T], v[:, :, :T])
     tail = (q[:, :, T:], k[:, :, T:], v[:, :, T:])
     with torch.no_grad():
@@ -260,7 +262,7 @@ def test_native_sparse_step_leaves_the_prefill_tensors_alone(native_sparse_calls
     shared with another (a copy that still reads them) leaves that one as it was."""
     B, H, Hk, D, w, T = 1, 4, 2, 8, 4, 11
     q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + 3, D, "elu1")
-    kw = dict(formulation="lolcats", sparse_cache=3, sinks=1)
+    kw = dict(formulation="lolcats", sparse=SparseCacheConfig(3, 1))
     with torch.no_grad():
         _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
                                     output_final_state=True, **kw)
@@ -278,15 +280,15 @@ def test_torch_sparse_step_where_the_kernel_does_not_apply(native_sparse_calls):
     B, H, Hk, D, w, T = 2, 4, 2, 8, 4, 9
     q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + 2, D, "elu1")
     step = (q[:, :, T : T + 1], k[:, :, T : T + 1], v[:, :, T : T + 1])
-    kw = dict(formulation="lolcats", sparse_cache=3, sinks=1)
+    kw = dict(formulation="lolcats", sparse=SparseCacheConfig(3, 1))
 
-    def prefill(**extra):
+    def prefill(**settings):
         return hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="chunked",
-                                output_final_state=True, **kw, **extra)[1]
+                                output_final_state=True, **(settings or kw))[1]
 
     with torch.no_grad():
-        hybrid_attention_step(*step, prefill(cache_score="attention"), wl, ll, inplace=True, **kw,
-                              cache_score="attention")
+        attention = dict(kw, sparse=SparseCacheConfig(3, 1, "attention"))
+        hybrid_attention_step(*step, prefill(**attention), wl, ll, inplace=True, **attention)
         hybrid_attention_step(*step, prefill(), wl, ll, inplace=True, key_valid=torch.tensor([True, False]), **kw)
         assert native_sparse_calls == {"ran": 0, "declined": 0}
 
@@ -295,7 +297,7 @@ def test_torch_sparse_step_where_the_kernel_does_not_apply(native_sparse_calls):
         broken.sparse.pend_k = broken.sparse.pend_k[:, :, :-1]
         for state in (half, broken):
             held = _state_fields(state)
-            assert cpu_step.sparse_step_in_place(*step, state, wl, ll, cpu_step.elu1) is None
+            assert cpu_step.sparse_step_in_place(*step, state, wl, ll, cpu_step.elu1, kw["sparse"]) is None
             assert state.seen == T and all(_state_fields(state)[name] is t for name, t in held.items())
 
 

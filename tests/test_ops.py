@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import hybrid_llama.ops as ops
-import hybrid_llama.ops.chunked as chunked_module
+import hybrid_llama.ops.dispatch as dispatch
+import hybrid_llama.ops.hybrid.chunked as chunked_module
 from hybrid_llama.ops import HedgehogFeatureMap, elu1, hybrid_attention
-from hybrid_llama.ops.chunked import hybrid_attention_chunked
-from hybrid_llama.ops.seed_naive import hybrid_attention_seed_naive
+from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
+from hybrid_llama.ops.hybrid.seed_naive import hybrid_attention_seed_naive
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -300,7 +301,7 @@ def test_dtype_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="key_padding_mask"):
         hybrid_attention(q, k, v, wl, ll, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))[0]
     # backend="triton" names the cause when the kernels cannot be loaded...
-    monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (None, "ImportError: no triton"))
+    monkeypatch.setattr(dispatch, "_load_triton", lambda module, attr: (None, "ImportError: no triton"))
     with pytest.raises(RuntimeError, match="triton.*unavailable.*no triton"):
         hybrid_attention(q, k, v, wl, ll, backend="triton")[0]
     # ...while "auto" on CPU never needs them.
@@ -315,7 +316,7 @@ def test_auto_falls_back_when_triton_declines(monkeypatch):
         calls.append(1)
         raise NotImplementedError("option not supported")
 
-    monkeypatch.setattr(ops, "_load_triton", lambda module, attr: (declines, ""))
+    monkeypatch.setattr(dispatch, "_load_triton", lambda module, attr: (declines, ""))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     out = hybrid_attention(q, k, v, wl, ll, window=4, backend="auto")[0]
     monkeypatch.undo()
@@ -505,7 +506,7 @@ def test_window_formulation_is_sliding_window_softmax(backend):
 def test_window_share_splits_the_output(formulation, fmap):
     """The output is share * (window average) + (1 - share) * (linear average), per query: solve for
     the share from three runs of the op (full, window-only, linear-only) and compare."""
-    from hybrid_llama.ops.reference import window_share
+    from hybrid_llama.ops.hybrid.reference import window_share
 
     B, H, Hk, T, D, w = 1, 4, 2, 40, 8, 6
     q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, T, D, seed=8, kv_heads=Hk))

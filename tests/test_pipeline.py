@@ -288,7 +288,7 @@ def test_untrained_variants_still_get_the_top_level_corpus():
 
 
 def test_formulations_of_the_schema_are_the_ops():
-    from hybrid_llama.ops.reference import FORMULATIONS
+    from hybrid_llama.ops.hybrid.reference import FORMULATIONS
 
     hybrid = config.load_schema()["$defs"]["hybrid"]["properties"]
     assert tuple(hybrid["formulation"]["enum"]) == FORMULATIONS

@@ -237,12 +237,12 @@ def test_needle_in_cache_reads_the_reference_simulation():
 
     from hybrid_llama.layers import HybridCacheLayer
     from hybrid_llama.ops import SparseCacheConfig, hybrid_attention
-    from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
+    from hybrid_llama.ops.sparse.reference import hybrid_attention_sparse_reference
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, h, 90, 8, generator=g) for h in (4, 2, 2))
     wl, ll = torch.randn(4, generator=g), torch.randn(4, generator=g)
-    _, state = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", sparse_cache=6, sinks=1,
+    _, state = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", sparse=SparseCacheConfig(6, 1),
                                 output_final_state=True)
     _, _, history = hybrid_attention_sparse_reference(q, k, v, wl, ll, window=8, cache=SparseCacheConfig(6, 1))
     layer = HybridCacheLayer()
@@ -457,7 +457,7 @@ def test_component_shares_with_and_without_the_sparse_cache(lively_dir, byte_tok
     block); for a plain layer the window share is the two-part diagnostic's, and the cache's is 0."""
     from hybrid_llama.eval.components import window_shares
     from hybrid_llama.models import convert_to_hybrid
-    from hybrid_llama.ops.reference import window_share
+    from hybrid_llama.ops.hybrid.reference import window_share
 
     plain, tok = load_model(lively_dir, dtype=torch.float32)
     convert_to_hybrid(plain, [0], window=8, formulation="lolcats", feature_map="hedgehog")

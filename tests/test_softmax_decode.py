@@ -13,8 +13,8 @@ from hybrid_llama.eval.throughput import greedy_decode
 from hybrid_llama.layers import AppendKVCacheLayer, SoftmaxLlamaAttention, as_softmax_layers, softmax_attention
 from hybrid_llama.models import convert_to_hybrid, load_model
 from hybrid_llama.models.convert import decoder_layers
-from hybrid_llama.ops import native
-from hybrid_llama.ops.softmax_decode import (
+from hybrid_llama.ops.native import build as native
+from hybrid_llama.ops.native.softmax_decode import (
     KEYS_PER_CHUNK,
     keys_per_chunk,
     softmax_decode,

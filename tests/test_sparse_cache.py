@@ -18,11 +18,12 @@ from hybrid_llama.ops import (
     hybrid_attention,
     hybrid_attention_step,
     init_sparse_state,
-    sparse_batched,
 )
-from hybrid_llama.ops.sparse_batched import hybrid_attention_sparse_batched
-from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse, random_scores
-from hybrid_llama.ops.sparse_reference import hybrid_attention_sparse_reference
+from hybrid_llama.ops.sparse import batched as sparse_batched
+from hybrid_llama.ops.sparse.batched import hybrid_attention_sparse_batched
+from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
+from hybrid_llama.ops.sparse.eviction import random_scores
+from hybrid_llama.ops.sparse.reference import hybrid_attention_sparse_reference
 
 
 def make(B=2, H=4, Hk=2, T=70, D=8, seed=0):
@@ -102,8 +103,7 @@ def padding(B, T):
 def test_fast_path_and_reference_match_naive(T, w, size, sinks, score, padded):
     q, k, v, wl, ll = make(T=T)
     mask = padding(2, T) if padded else None
-    kw = dict(window=w, formulation="lolcats", key_padding_mask=mask, sparse_cache=size, sinks=sinks,
-              cache_score=score)
+    kw = dict(window=w, formulation="lolcats", key_padding_mask=mask, sparse=SparseCacheConfig(size, sinks, score))
     want = naive_sparse(q, k, v, wl, ll, window=w, size=size, sinks=sinks, score=score, mask=mask)
     fast, state = hybrid_attention(q, k, v, wl, ll, backend="chunked", output_final_state=True, **kw)
     ref, _ = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
@@ -169,7 +169,7 @@ def test_training_takes_the_batched_path(monkeypatch):
     with a padding mask it keeps the loop."""
     calls = count_calls(monkeypatch, sparse_batched, "hybrid_attention_sparse_batched")
     q, k, v, wl, ll = (x.requires_grad_() for x in make(T=40))
-    kw = dict(window=8, formulation="lolcats", sparse_cache=4, sinks=2)
+    kw = dict(window=8, formulation="lolcats", sparse=SparseCacheConfig(4, 2))
     hybrid_attention(q, k, v, wl, ll, **kw)[0].sum().backward()
     assert calls["ran"] == 1
     hybrid_attention(q, k, v, wl, ll, key_padding_mask=padding(2, 40), **kw)
@@ -182,7 +182,7 @@ def test_decode_equals_parallel_and_continues_from_prefill(T, w, size, sinks, sc
     q, k, v, wl, ll = make(T=T)
     mask = padding(2, T) if padded else None
     fmap = (HedgehogFeatureMap(4, 8), HedgehogFeatureMap(2, 8)) if feature == "hedgehog" else "elu1"
-    kw = dict(formulation="lolcats", feature_map=fmap, sparse_cache=size, sinks=sinks, cache_score=score)
+    kw = dict(formulation="lolcats", feature_map=fmap, sparse=SparseCacheConfig(size, sinks, score))
     with torch.no_grad():
         full, _ = hybrid_attention(q, k, v, wl, ll, window=w, key_padding_mask=mask, **kw)
         state = init_sparse_state(2, 2, 8, w, SparseCacheConfig(size, sinks, score), feature_dim=16 if feature ==
@@ -214,7 +214,7 @@ def test_prompt_inside_the_window_then_decode_equals_parallel(score):
     from its keys); decoding on from that state across several closed blocks gives the parallel op."""
     q, k, v, wl, ll = make(T=60)
     w, cut = 8, 6
-    kw = dict(formulation="lolcats", sparse_cache=3, sinks=2, cache_score=score)
+    kw = dict(formulation="lolcats", sparse=SparseCacheConfig(3, 2, score))
     with torch.no_grad():
         full, _ = hybrid_attention(q, k, v, wl, ll, window=w, **kw)
         head, pre = hybrid_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], wl, ll, window=w,
@@ -238,7 +238,7 @@ def test_prompts_that_fold_no_key_are_causal_softmax_with_the_ops_state(size, si
     state, built from the keys alone, is the sparse op's own final state, and decoding on from it
     across later folds gives the parallel op. One token longer, the sparse op runs (the last query
     sees a fold)."""
-    import hybrid_llama.ops as ops
+    import hybrid_llama.ops.dispatch as ops
 
     w = 8
     cfg = SparseCacheConfig(size, sinks, score)
@@ -247,7 +247,7 @@ def test_prompts_that_fold_no_key_are_causal_softmax_with_the_ops_state(size, si
     total = bound + 3 * w
     q, k, v, wl, ll = make(T=total, seed=3)
     fmap = (HedgehogFeatureMap(4, 8), HedgehogFeatureMap(2, 8)) if feature == "hedgehog" else "elu1"
-    kw = dict(formulation="lolcats", feature_map=fmap, sparse_cache=size, sinks=sinks, cache_score=score)
+    kw = dict(formulation="lolcats", feature_map=fmap, sparse=SparseCacheConfig(size, sinks, score))
     softmax = count_calls(monkeypatch, ops, "causal_softmax")
     with torch.no_grad():
         full, _ = hybrid_attention(q, k, v, wl, ll, window=w, **kw)
@@ -283,7 +283,7 @@ def test_softmax_prompt_state_reads_the_map_width_as_the_window_prompt_does():
     """A single Hedgehog map of the query heads with GQA: the state of a prompt past the window that
     folds nothing has the KV heads and F of a prompt inside it (the map is not applied to KV-head keys)."""
     q, k, v, wl, ll = make(B=1, T=20)
-    kw = dict(formulation="lolcats", feature_map=HedgehogFeatureMap(4, 8), sparse_cache=6, sinks=2)
+    kw = dict(formulation="lolcats", feature_map=HedgehogFeatureMap(4, 8), sparse=SparseCacheConfig(6, 2))
     assert SparseCacheConfig(6, 2).softmax_prompt_len(8) >= 15
     with torch.no_grad():
         _, inside = hybrid_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], wl, ll, window=8, output_final_state=True,
@@ -314,9 +314,8 @@ def test_model_prompt_that_folds_nothing_decodes_as_recomputed(lively_dir):
 
 def _state_after(q, k, v, wl, ll, w, n, mask, kw):
     """The decode state after n steps from an empty one."""
-    size, sinks, score = kw["sparse_cache"], kw["sinks"], kw["cache_score"]
     fd = 16 if isinstance(kw["feature_map"], tuple) else 8
-    state = init_sparse_state(2, 2, 8, w, SparseCacheConfig(size, sinks, score), feature_dim=fd)
+    state = init_sparse_state(2, 2, 8, w, kw["sparse"], feature_dim=fd)
     for t in range(n):
         _, state = hybrid_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, wl, ll,
                                          key_valid=None if mask is None else mask[:, t], **kw)
@@ -327,7 +326,7 @@ def test_off_is_bit_identical_to_the_plain_op():
     q, k, v, wl, ll = make(T=90)
     plain, s1 = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True)
     off, s2 = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True,
-                               sparse_cache=0, sinks=0, cache_score="random")
+                               sparse=SparseCacheConfig(0, 0, "random"))
     assert torch.equal(plain, off) and s2.sparse is None and torch.equal(s1.S, s2.S)
 
 
@@ -336,7 +335,7 @@ def test_reference_history_is_the_cache_the_state_holds():
     cfg = SparseCacheConfig(5, 2, "sre")
     _, _, history = hybrid_attention_sparse_reference(q, k, v, wl, ll, window=8, cache=cfg)
     _, state = hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", output_final_state=True,
-                                sparse_cache=5, sinks=2)
+                                sparse=SparseCacheConfig(5, 2))
     # history[t] is the cache when query t attends; the state after T tokens holds the last one.
     for hk in range(2):
         got = [p for p in state.sparse.cache_pos[0, hk].tolist() if p >= 0]
@@ -346,7 +345,8 @@ def test_reference_history_is_the_cache_the_state_holds():
 def test_state_memory_is_fixed():
     q, k, v, wl, ll = make(B=1, T=300)
     sizes = {hybrid_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], wl, ll, window=8, formulation="lolcats",
-                              output_final_state=True, sparse_cache=6, sinks=2)[1].nbytes() for n in (40, 150, 300)}
+                              output_final_state=True, sparse=SparseCacheConfig(6, 2))[1].nbytes()
+             for n in (40, 150, 300)}
     assert len(sizes) == 1
 
 
@@ -355,7 +355,8 @@ def test_gradients_match_reference():
     grads = []
     for backend in ("chunked", "reference"):
         xs = [x.clone().requires_grad_() for x in (q, k, v, wl, ll)]
-        out, _ = hybrid_attention(*xs, window=8, formulation="lolcats", backend=backend, sparse_cache=4, sinks=2)
+        out, _ = hybrid_attention(*xs, window=8, formulation="lolcats", backend=backend,
+                                  sparse=SparseCacheConfig(4, 2))
         out.square().sum().backward()
         grads.append([x.grad for x in xs])
     for a, b in zip(*grads):
@@ -363,8 +364,8 @@ def test_gradients_match_reference():
 
 
 def test_shares_sum_to_one():
-    from hybrid_llama.ops.sparse_cache import SparseCacheConfig as C
-    from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
+    from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
+    from hybrid_llama.ops.sparse.config import SparseCacheConfig as C
 
     q, k, v, wl, ll = make(T=80)
     _, _, shares = hybrid_attention_sparse(q, k, v, wl, ll, window=8, cache=C(4, 2, "sre"), return_shares=True)
@@ -373,17 +374,17 @@ def test_shares_sum_to_one():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(sparse_cache=-1), "integer >= 0"),
-    (dict(sparse_cache=2.5), "integer >= 0"),
-    (dict(sparse_cache=4, formulation="hybrid"), "lolcats"),
+    (dict(size=-1), "integer >= 0"),
+    (dict(size=2.5), "integer >= 0"),
+    (dict(size=4, formulation="hybrid"), "lolcats"),
     (dict(sinks=2, formulation="window"), "lolcats"),
-    (dict(sparse_cache=4, cache_score="oracle"), "cache_score"),
+    (dict(size=4, score="oracle"), "cache_score"),
 ])
 def test_bad_settings_are_named(bad, match):
     q, k, v, wl, ll = make(T=20)
-    kw = dict(window=8, formulation="lolcats") | bad
+    formulation = bad.pop("formulation", "lolcats")
     with pytest.raises(ValueError, match=match):
-        hybrid_attention(q, k, v, wl, ll, **kw)
+        hybrid_attention(q, k, v, wl, ll, window=8, formulation=formulation, sparse=SparseCacheConfig(**bad))
 
 
 def test_model_generates_with_sparse_cache_like_without_cache(lively_dir):
@@ -422,8 +423,8 @@ def test_values_in_a_narrower_dtype_than_keys(path):
     def run(values):
         if path == "dispatch":  # no_grad: the native CPU path where it is built
             with torch.no_grad():
-                return hybrid_attention(q, k, values, wl, ll, window=8, formulation="lolcats", sparse_cache=5,
-                                        sinks=2, cache_score="sre", output_final_state=True)
+                return hybrid_attention(q, k, values, wl, ll, window=8, formulation="lolcats",
+                                        sparse=SparseCacheConfig(5, 2, "sre"), output_final_state=True)
         return SPARSE_PATHS[path](q, k, values, wl, ll, window=8, cache=cache, output_final_state=True)
 
     got, got_state = run(v_bf16)

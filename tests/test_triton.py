@@ -1,7 +1,7 @@
 """The `triton` backend (prefill forward/backward, decode step) against an independent naive op.
 
 Without CUDA the kernels run in triton's interpreter. TRITON_INTERPRET is read when a kernel is
-decorated, i.e. when ``hybrid_llama.ops.triton_*`` is first imported, so it is set here before
+decorated, i.e. when ``hybrid_llama.ops.triton.*`` is first imported, so it is set here before
 those imports; if another test module imported them earlier in the same process, the CPU tests are
 skipped with that reason (run this file in its own pytest process, as tests/run.sh does).
 The interpreter computes bf16 ``tl.dot`` wrongly, so bf16 is only tested on a GPU.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-_PREIMPORTED = any(m in sys.modules for m in ("hybrid_llama.ops.triton_prefill", "hybrid_llama.ops.triton_decode"))
+_PREIMPORTED = any(m in sys.modules for m in ("hybrid_llama.ops.triton.prefill", "hybrid_llama.ops.triton.decode"))
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -29,16 +29,16 @@ from hybrid_llama.ops import (  # noqa: E402
     hybrid_attention_step,
     init_state,
     prefill_state,
-    triton_prefill,  # noqa: E402
 )
-from hybrid_llama.ops.decode import hybrid_attention_step_torch  # noqa: E402
-from hybrid_llama.ops.triton_decode import hybrid_attention_step_triton  # noqa: E402
-from hybrid_llama.ops.triton_prefill import _fwd_kernel, hybrid_attention_triton  # noqa: E402
+from hybrid_llama.ops.hybrid.step import hybrid_attention_step_torch  # noqa: E402
+from hybrid_llama.ops.triton import prefill as triton_prefill  # noqa: E402
+from hybrid_llama.ops.triton.decode import hybrid_attention_step_triton  # noqa: E402
+from hybrid_llama.ops.triton.prefill import _fwd_kernel, hybrid_attention_triton  # noqa: E402
 
 if not HAS_CUDA and (_PREIMPORTED or type(_fwd_kernel).__name__ != "InterpretedFunction"):
     pytest.skip(
         "triton kernels were imported before TRITON_INTERPRET=1 was set (another test module imported "
-        "hybrid_llama.ops.triton_*); run `TRITON_INTERPRET=1 pytest tests/test_triton.py` in its own process",
+        "hybrid_llama.ops.triton.*); run `TRITON_INTERPRET=1 pytest tests/test_triton.py` in its own process",
         allow_module_level=True,
     )
 
@@ -269,7 +269,7 @@ def test_dispatcher_runs_feature_kernels(monkeypatch):
     """``hybrid_attention(backend="triton")`` with a (query_map, key_map) pair runs the kernels on the
     features (never chunked) and gets the reference's output and map gradients; the decode dispatcher
     runs the triton step with the pair."""
-    import hybrid_llama.ops.chunked as chunked
+    import hybrid_llama.ops.hybrid.chunked as chunked
 
     def no_chunked(*args, **kwargs):
         raise AssertionError("fell back to chunked")
@@ -295,7 +295,7 @@ def test_dispatcher_runs_feature_kernels(monkeypatch):
     for got, want in zip(g, rg):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
-    import hybrid_llama.ops as ops
+    import hybrid_llama.ops.dispatch as ops
 
     monkeypatch.setattr(ops, "hybrid_attention_step_torch", no_chunked)
     with torch.no_grad():
@@ -468,7 +468,7 @@ def test_hybrid_llama_on_triton_matches_chunked(tiny_model_dir, feature_map):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [4096, 32768])
 def test_gpu_bf16_long_vs_chunked(T):
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 
     B, H, HKV, D = 1, 32, 8, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=11)
@@ -487,7 +487,7 @@ def test_gpu_bf16_long_vs_chunked(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats"])
 def test_gpu_fp32_grads_vs_chunked(formulation):
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 
     B, H, HKV, T, D = 2, 8, 2, 1000, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=12)
@@ -533,7 +533,7 @@ def test_gpu_decode_bf16_matches_torch_step():
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
 def test_gpu_bf16_hedgehog_pair_long_vs_chunked(formulation):
     """The feature path at a Llama-3.2-1B layer's shape: Hedgehog pair, F = 128 = 2 * D, bf16 features."""
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 
     B, H, HKV, T, D = 1, 32, 8, 4096, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.bfloat16, seed=14)
@@ -554,7 +554,7 @@ def test_gpu_bf16_hedgehog_pair_long_vs_chunked(formulation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
 def test_gpu_fp32_hedgehog_pair_grads_vs_chunked(formulation):
-    from hybrid_llama.ops.chunked import hybrid_attention_chunked
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 
     B, H, HKV, T, D = 2, 8, 2, 1000, 64
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=15)

@@ -84,3 +84,18 @@ def settings_key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(canonical(list(parts)), sort_keys=True).encode()).hexdigest()[:12]
 
 
+
+
+# A hybrid block's sparse-cache keys (ops.SparseCacheConfig's size, sinks and score).
+SPARSE_CACHE_KEYS = ("sparse_cache", "sinks", "cache_score")
+
+
+def without_inactive_sparse_cache(hybrid: dict) -> dict:
+    """A hybrid block as saved and as rules get it: the sparse-cache keys only while the cache is on
+    (some keys or sinks), so neither a config.json nor a rule's params change for a model that never
+    uses it."""
+    h = dict(hybrid)
+    if not (h.get("sparse_cache") or h.get("sinks")):
+        for key in SPARSE_CACHE_KEYS:
+            h.pop(key, None)
+    return h

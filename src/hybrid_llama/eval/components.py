@@ -1,7 +1,7 @@
 """Component diagnostic: how much of each hybrid layer's output comes from each of its memories.
 
 A hybrid layer's output is ``share * (window average) + (1 - share) * (linear readout)``, where
-``share`` is the window's part of the shared normalizer (``hybrid_llama.ops.reference.window_share``).
+``share`` is the window's part of the shared normalizer (``hybrid_llama.ops.hybrid.reference.window_share``).
 A share near 0 beyond the window means the linear part drowns the window (the published recreation's
 formulation does this: every older key adds about D to the denominator); a share near 1 means the
 layer bypasses its linear part and acts as window-only attention. Either can hide behind a decent
@@ -36,8 +36,8 @@ def window_shares(
     """Mean window share per hybrid layer over the last ``tail`` queries of held-out windows of each
     context length (the windows of ``perplexity_vs_context``). Rows: ``tables.COMPONENT_COLUMNS``."""
     from hybrid_llama.layers import HybridLlamaAttention
-    from hybrid_llama.ops.reference import window_share
-    from hybrid_llama.ops.sparse_cache import hybrid_attention_sparse
+    from hybrid_llama.ops.hybrid.reference import window_share
+    from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
 
     layers = {m.layer_idx: m for m in model.modules() if isinstance(m, HybridLlamaAttention)}
     if not layers:
@@ -57,7 +57,7 @@ def window_shares(
             queries = torch.arange(max(0, T - tail), T, device=q.device)
             cfg = layer.hybrid
             wl, ll = layer.op_logits()
-            if cfg.sparse_cache or cfg.sinks:  # three parts: window, sinks + cache + pending, linear state
+            if cfg.sparse.active:  # three parts: window, sinks + cache + pending, linear state
                 _, _, shares = hybrid_attention_sparse(
                     q, k, v, wl, ll, window=cfg.window, feature_map=layer.op_feature_map(), return_shares=True,
                     cache=cfg.sparse,

@@ -450,7 +450,7 @@ def triton_available(device: str | torch.device) -> bool:
     try:
         import triton  # noqa: F401
 
-        from hybrid_llama.ops import triton_prefill  # noqa: F401
+        from hybrid_llama.ops.triton import prefill  # noqa: F401
     except Exception:
         return False
     return True

@@ -3,15 +3,14 @@
 from .append_kv_cache import AppendKVCacheLayer, append_kv_cache_layer
 from .hybrid_attention import (
     Elu1FeatureMap,
-    HybridCacheLayer,
     HybridConfig,
     HybridLlamaAttention,
     MixingLogits,
     QKFeatureMaps,
-    hybrid_cache_layer,
     keys_valid_from_mask,
     make_feature_map,
 )
+from .hybrid_cache import HybridCacheLayer, hybrid_cache_layer
 from .softmax_attention import SoftmaxLlamaAttention, as_softmax_layers, rotary_qkv
 
 __all__ = [

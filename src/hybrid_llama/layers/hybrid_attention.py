@@ -11,32 +11,28 @@ a :class:`HybridCacheLayer` on first use, while softmax layers keep their normal
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
+from hybrid_llama.config import SPARSE_CACHE_KEYS, without_inactive_sparse_cache
 from hybrid_llama.ops import (
-    SOFTMAX_PROMPT_BACKENDS,
+    FORMULATIONS,
+    DeferredState,
     HedgehogFeatureMap,
-    HybridState,
     SparseCacheConfig,
-    causal_softmax,
-    hybrid_attention,
     hybrid_attention_step,
-    is_softmax_prompt,
+    layer_prompt,
     native_step_in_place,
-    softmax_prompt_state,
-    sparse_cache_config,
+    takes_native_step,
 )
-from hybrid_llama.ops.reference import FORMULATIONS
 
+from .hybrid_cache import HybridCacheLayer, hybrid_cache_layer
 from .softmax_attention import qkv_heads, rotary_qkv
 
 FEATURE_MAPS = ("elu1", "hedgehog")
@@ -51,11 +47,17 @@ class HybridConfig:
     formulation: str = "hybrid"
     feature_map: str = "elu1"  # "elu1" | "hedgehog"
     backend: str = "auto"
-    # The third memory (ops.sparse_cache): keys per KV head kept exactly, pinned first positions, and
-    # the rule that picks the keys; 0 and 0 leave the layer as it is.
+    # The third memory (ops.sparse): keys per KV head kept exactly, pinned first positions, and the
+    # rule that picks the keys; 0 and 0 leave the layer as it is. ``.sparse`` holds them as the
+    # ``SparseCacheConfig`` the ops take, made whenever one of them is set.
     sparse_cache: int = 0
     sinks: int = 0
     cache_score: str = "sre"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in SPARSE_CACHE_KEYS and all(f in self.__dict__ for f in SPARSE_CACHE_KEYS):
+            super().__setattr__("sparse", SparseCacheConfig(self.sparse_cache, self.sinks, self.cache_score))
 
     def __post_init__(self) -> None:
         self.layers = sorted({int(i) for i in self.layers})
@@ -67,36 +69,19 @@ class HybridConfig:
         if self.feature_map not in FEATURE_MAPS:
             raise ValueError(f"HybridConfig.feature_map must be one of {FEATURE_MAPS}, got {self.feature_map!r}")
         try:
-            sparse_cache_config(self.sparse_cache, self.sinks, self.cache_score, self.formulation)
+            self.sparse.require_formulation(self.formulation)
         except ValueError as exc:
             raise ValueError(f"HybridConfig: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The config as config.json stores it; the sparse-cache keys only when the cache is on, so
         models saved without it keep their exact config."""
-        d = asdict(self)
-        if not (self.sparse_cache or self.sinks):
-            for key in ("sparse_cache", "sinks", "cache_score"):
-                d.pop(key)
-        return d
-
-    @property
-    def sparse_kwargs(self) -> dict[str, Any]:
-        return {"sparse_cache": self.sparse_cache, "sinks": self.sinks, "cache_score": self.cache_score}
+        return without_inactive_sparse_cache(asdict(self))
 
     @property
     def native_steps(self) -> bool:
-        """Whether a generate step may take the native CPU call (``ops.native_step_in_place``)."""
-        return self.backend in ("auto", "chunked") and not (self.sparse_cache or self.sinks)
-
-    @property
-    def sparse(self) -> SparseCacheConfig:
-        # Kept while the three fields stay as they are: a layer asks several times per prompt, and
-        # building the checked dataclass runs cold inside a model.
-        held = self.__dict__.get("_sparse")
-        if held is None or (held.size, held.sinks, held.score) != (self.sparse_cache, self.sinks, self.cache_score):
-            held = self.__dict__["_sparse"] = SparseCacheConfig(self.sparse_cache, self.sinks, self.cache_score)
-        return held
+        """Whether a generate step may take the native CPU call (``ops.takes_native_step``)."""
+        return takes_native_step(self.backend, self.sparse)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -158,132 +143,6 @@ def make_feature_map(kind: str, num_heads: int, head_dim: int, num_kv_heads: int
             HedgehogFeatureMap(num_heads, head_dim), HedgehogFeatureMap(num_kv_heads or num_heads, head_dim)
         )
     raise ValueError(f"unknown feature_map {kind!r}; use one of {FEATURE_MAPS}")
-
-
-class HybridCacheLayer(CacheLayerMixin):
-    """Cache slot of a hybrid layer: a constant-size ``HybridState`` instead of a growing KV cache.
-
-    It reports the same sequence length and mask sizes as a full-attention layer, so the causal mask
-    transformers builds (possibly from this layer, if it is layer 0) stays right for softmax layers.
-    """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._state: HybridState | None = None
-        # A prompt that is causal softmax, kept as its keys/values until a decode step needs the state:
-        # (k, v, build). Building the ring buffers and sums is most of what such a prefill would cost
-        # beyond causal SDPA, and a forward that never decodes (scoring) never needs them.
-        self._prefix: tuple[Tensor, Tensor, Callable[[Tensor, Tensor], HybridState]] | None = None
-        self.seen = 0  # tokens consumed, even when no state was kept (training mode)
-
-    @property
-    def state(self) -> HybridState | None:
-        """The decode state after ``seen`` tokens; a deferred prompt (``defer_state``) is built into it here."""
-        if self._prefix is not None:
-            k, v, build = self._prefix
-            self._prefix, self._state = None, build(k, v)
-        return self._state
-
-    @state.setter
-    def state(self, state: HybridState | None) -> None:
-        self._prefix, self._state = None, state
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        raise RuntimeError("a hybrid layer's cache holds a recurrent state, not keys/values; it has no update()")
-
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def set_state(self, state: HybridState | None, consumed: int) -> None:
-        if state is not None and not self.is_initialized:
-            self.lazy_initialization(state.k_window, state.v_window)
-        self.state = state
-        self.seen += consumed
-
-    def defer_state(self, k: Tensor, v: Tensor, build: Callable[[Tensor, Tensor], HybridState]) -> None:
-        """Keep a first prompt's keys/values ``[B, H_kv, T, D]`` (a causal-softmax prompt) as they are; the
-        state is ``build(k, v)``, made when first read."""
-        if self.seen or self._state is not None:
-            raise RuntimeError("only a cache's first prompt can be deferred")
-        if not self.is_initialized:
-            self.lazy_initialization(k, v)
-        self._prefix, self._state = (k, v, build), None
-        self.seen = k.shape[2]
-
-    def nbytes(self) -> int:
-        if self._prefix is not None:
-            return sum(t.numel() * t.element_size() for t in self._prefix[:2])
-        return 0 if self._state is None else self._state.nbytes()
-
-    def offload(self) -> None:
-        if self.state is not None:
-            self.state = self.state.to("cpu")
-
-    def prefetch(self) -> None:
-        if self.state is not None and self.state.k_window.device != self.device:
-            self.state = self.state.to(self.device)
-
-    def reset(self) -> None:
-        self.state = None  # drops a deferred prompt too
-        self.seen = 0
-        self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise NotImplementedError("a hybrid layer's recurrent state cannot be cropped (no rollback)")
-
-    def reorder_cache(self, beam_idx: Tensor) -> None:
-        if self.state is not None:
-            self.state = self.state.index_select(beam_idx)
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        if self.state is not None:
-            idx = torch.as_tensor(indices, device=self.state.k_window.device)
-            if idx.dtype == torch.bool:
-                idx = idx.nonzero().flatten()
-            self.state = self.state.index_select(idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.state is not None:
-            b = self.state.k_window.shape[0]
-            idx = torch.arange(b, device=self.state.k_window.device).repeat_interleave(repeats)
-            self.state = self.state.index_select(idx)
-
-
-def hybrid_cache_layer(cache: Cache, layer_idx: int) -> HybridCacheLayer:
-    """The :class:`HybridCacheLayer` of ``layer_idx`` in ``cache``, installed on first use."""
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        raise TypeError(f"hybrid layers need a transformers Cache with .layers, got {type(cache).__name__}")
-    replicate = getattr(cache, "layer_class_to_replicate", None)
-    while len(layers) <= layer_idx:
-        if replicate is None:
-            raise ValueError(f"cache has {len(layers)} layers, no slot for layer {layer_idx}")
-        layers.append(replicate())
-    current = layers[layer_idx]
-    if isinstance(current, HybridCacheLayer):
-        return current
-    if current.get_seq_length() > 0:
-        raise ValueError(
-            f"cache layer {layer_idx} already holds {current.get_seq_length()} softmax keys; "
-            "a hybrid layer cannot continue from a plain KV cache"
-        )
-    layers[layer_idx] = HybridCacheLayer()
-    return layers[layer_idx]
 
 
 def keys_valid_from_mask(attention_mask: Tensor | None, q_len: int) -> Tensor | None:
@@ -391,35 +250,13 @@ class HybridLlamaAttention(LlamaAttention):
                 )
             # Training forwards never decode: they skip the final state.
             keep_state = slot is not None and not self.training
-            # A first prompt inside the window (or, at inference, one that folds no key into a sparse cache's
-            # linear state) is causal softmax: keep its k/v and build the state only if a decode step comes,
-            # as the op would (softmax_prompt_state).
-            softmax_prompt = (valid is None and is_softmax_prompt(q_len, cfg.window, cfg.sparse)
-                         and not (keep_state and cfg.sparse.state_needs_queries))
-            if softmax_prompt and cfg.backend in SOFTMAX_PROMPT_BACKENDS:
-                # What the op does with such a prompt, without its argument checks and dispatch: inside a
-                # model they cost more than the attention of a short prompt (docs/performance.md).
-                out, state = causal_softmax(q, k, v), None
-            else:
-                out, state = hybrid_attention(
-                    q,
-                    k,
-                    v,
-                    *self.op_logits(),
-                    window=cfg.window,
-                    backend=cfg.backend,
-                    formulation=cfg.formulation,
-                    feature_map=self.op_feature_map(),
-                    key_padding_mask=valid,
-                    output_final_state=keep_state and not softmax_prompt,
-                    **cfg.sparse_kwargs,
-                )
-            if keep_state and softmax_prompt:
-                build = partial(softmax_prompt_state, window=cfg.window, cache=cfg.sparse,
-                                feature_map=self.op_feature_map())
-                slot.defer_state(k.detach(), v.detach(), build)
+            out, state = layer_prompt(q, k, v, *self.op_logits(), window=cfg.window, backend=cfg.backend,
+                                      formulation=cfg.formulation, feature_map=self.op_feature_map(),
+                                      key_padding_mask=valid, keep_state=keep_state, sparse=cfg.sparse)
+            if isinstance(state, DeferredState):
+                slot.defer_state(state)
             elif slot is not None:
-                slot.set_state(None if state is None else state.detach(), q_len)
+                slot.set_state(state, q_len)
         else:
             fmap, (wl, ll) = self.op_feature_map(), self.op_logits()
             state, outs = slot.state, []
@@ -435,7 +272,7 @@ class HybridLlamaAttention(LlamaAttention):
                     key_valid=None if valid is None else valid[:, t],
                     backend=cfg.backend,
                     inplace=not torch.is_grad_enabled(),  # the cache owns its state
-                    **cfg.sparse_kwargs,
+                    sparse=cfg.sparse,
                 )
                 outs.append(o)
             out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)
@@ -460,6 +297,6 @@ class HybridLlamaAttention(LlamaAttention):
     def extra_repr(self) -> str:
         c = self.hybrid
         text = f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"
-        if c.sparse_cache or c.sinks:
+        if c.sparse.active:
             text += f", sparse_cache={c.sparse_cache}, sinks={c.sinks}, cache_score={c.cache_score}"
         return text

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-from hybrid_llama.ops import native
-from hybrid_llama.ops.softmax_decode import MAX_GROUP, softmax_decode
+from hybrid_llama.ops.native import build as native
+from hybrid_llama.ops.native.softmax_decode import MAX_GROUP, softmax_decode
 
 from .append_kv_cache import append_kv_cache_layer
 

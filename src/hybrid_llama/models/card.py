@@ -40,7 +40,7 @@ def hybrid_table(hybrid: HybridConfig | dict[str, Any], base: str | None, num_la
     """The markdown table of what the model is: base model and every hybrid setting."""
     cfg = hybrid if isinstance(hybrid, HybridConfig) else HybridConfig.from_dict(dict(hybrid))
     layers = ", ".join(map(str, cfg.layers)) + (f" (of {num_layers})" if num_layers else "")
-    if cfg.sparse_cache or cfg.sinks:
+    if cfg.sparse.active:
         sparse = (f"{cfg.sparse_cache} keys per KV head kept exactly (score `{cfg.cache_score}`), "
                   f"{cfg.sinks} attention sinks")
     else:

@@ -1,9 +1,14 @@
-"""Values derived from parameters, kept between calls while those parameters are unchanged.
+"""Values kept between calls on the object they belong to: the one place that stores them.
 
 A decode step maps one token, so rebuilding what it derives from the parameters (Hedgehog's fp32 or
-signed weights, the sigmoids of the mixing logits) would cost as much as the step's own ops. Without
-autograd such values are kept on an owner object under a key of the sources' versions and storage:
-an in-place update (an optimizer step) bumps the version, a new tensor has new storage.
+signed weights, the sigmoids of the mixing logits) or re-checking a prepared native call would cost
+as much as the step's own ops. Two forms, both in the owner's ``__dict__`` under a ``kept:`` name:
+
+- :func:`kept`: a value derived from tensors, rebuilt when a source changes. Without autograd it is
+  keyed by the sources' versions and storage: an in-place update (an optimizer step) bumps the
+  version, a new tensor has new storage.
+- :func:`held` / :func:`hold`: a value the caller checks itself (a prepared native call, checked by
+  identity against what it was prepared from at every use).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import Tensor
 
 T = TypeVar("T")
+PREFIX = "kept:"  # a name no attribute has, so a kept value never shadows one
 
 
 def version_key(*tensors: Tensor) -> tuple | None:
@@ -31,7 +37,17 @@ def kept(owner: object, slot: str, sources: tuple[Tensor, ...], make: Callable[[
     key = None if torch.is_grad_enabled() else version_key(*sources)
     if key is None:
         return make()
-    hit = owner.__dict__.get(slot)
+    hit = owner.__dict__.get(PREFIX + slot)
     if hit is None or hit[0] != key:
-        hit = owner.__dict__[slot] = (key, make())
+        hit = owner.__dict__[PREFIX + slot] = (key, make())
     return hit[1]
+
+
+def held(owner: object, slot: str):
+    """What :func:`hold` left on ``owner`` under ``slot``, else None."""
+    return owner.__dict__.get(PREFIX + slot)
+
+
+def hold(owner: object, slot: str, value) -> None:
+    owner.__dict__[PREFIX + slot] = value
+

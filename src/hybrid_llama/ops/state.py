@@ -9,11 +9,15 @@ The key at position ``t`` lives in slot ``t % w``. Every size is fixed in the co
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .feature_maps import FeatureMap, feature_dim_of, resolve_qk_maps
+
+if TYPE_CHECKING:  # the state holds the cache's buffers; its settings are read, never built, here
+    from .sparse.config import SparseCacheConfig
 
 
 @dataclass
@@ -48,13 +52,13 @@ class SparseState:
 
 
 def empty_sparse_state(
-    batch: int, kv_heads: int, head_dim: int, window: int, size: int, sinks: int, *, device=None, dtype=None
+    batch: int, kv_heads: int, head_dim: int, window: int, cache: SparseCacheConfig, *, device=None, dtype=None
 ) -> SparseState:
-    """Empty sink, pending and cache buffers: ``sinks`` and ``size`` slots per KV head."""
+    """Empty sink, pending and cache buffers: ``cache.sinks`` and ``cache.size`` slots per KV head."""
     def kv(n: int) -> Tensor:
         return torch.zeros(batch, kv_heads, n, head_dim, device=device, dtype=dtype)
 
-    lam, ns = size, sinks
+    lam, ns = cache.size, cache.sinks
     return SparseState(
         sink_k=kv(ns), sink_v=kv(ns), sink_valid=torch.zeros(batch, ns, dtype=torch.bool, device=device),
         pend_k=kv(window), pend_v=kv(window),
@@ -189,18 +193,18 @@ def prefill_state(
 
 
 def window_prompt_state(
-    k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap = "elu1", sparse_cache: int = 0, sinks: int = 0
+    k: Tensor, v: Tensor, *, window: int, feature_map: FeatureMap = "elu1", sparse: SparseCacheConfig | None = None
 ) -> HybridState:
     """State after a prompt of T <= ``window`` real keys ``[B, H, T, D]``: the ring holds them all, the
-    linear sums are zero and, with a sparse cache of ``sparse_cache`` keys and ``sinks`` sinks, its
-    buffers are empty (no key has left the window yet). For the ``sre`` and ``random`` scores this is
-    the sparse op's final state too; the ``attention`` score also keeps what each key received."""
+    linear sums are zero and, with an active sparse cache, its buffers are empty (no key has left the
+    window yet). For the ``sre`` and ``random`` scores this is the sparse op's final state too; the
+    ``attention`` score also keeps what each key received."""
     if k.shape[2] > window:
         raise ValueError(f"the prompt ({k.shape[2]} tokens) must fit in the window ({window})")
     state = prefill_state(k, v, window=window, feature_map=feature_map)
-    if sparse_cache or sinks:
+    if sparse is not None and sparse.active:
         B, H, _, D = k.shape
-        state.sparse = empty_sparse_state(B, H, D, window, sparse_cache, sinks, device=k.device, dtype=k.dtype)
+        state.sparse = empty_sparse_state(B, H, D, window, sparse, device=k.device, dtype=k.dtype)
     return state
 
 

@@ -8,13 +8,10 @@ change only the keys that leave trained weights valid (``EVAL_ONLY_HYBRID``).
 
 from __future__ import annotations
 
-from hybrid_llama.config import ConfigError, deep_merge
+from hybrid_llama.config import SPARSE_CACHE_KEYS, ConfigError, deep_merge
 
 # Hybrid keys a derived variant may change: they leave the trained weights valid.
-EVAL_ONLY_HYBRID = ("sparse_cache", "sinks", "cache_score", "backend")
-# The sparse-cache keys, left out of a variant's settings while the cache is off (so no param, and
-# no file that records the settings, changes for variants that never use it).
-SPARSE_CACHE_KEYS = ("sparse_cache", "sinks", "cache_score")
+EVAL_ONLY_HYBRID = (*SPARSE_CACHE_KEYS, "backend")
 
 
 def resolve_variants(own: dict[str, dict]) -> dict[str, dict]:
@@ -62,13 +59,3 @@ def lora_owner(own: dict[str, dict], variant: str) -> str:
     if parent is None or "lora" in own[variant] or transfer_owner(own, variant) == variant:
         return variant
     return lora_owner(own, parent)
-
-
-def hybrid_settings(hybrid: dict) -> dict:
-    """A variant's hybrid settings as its rules' params get them: the sparse-cache keys only when
-    the cache is on."""
-    h = dict(hybrid)
-    if not (h.get("sparse_cache") or h.get("sinks")):
-        for key in SPARSE_CACHE_KEYS:
-            h.pop(key, None)
-    return h

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.config import ConfigError, canonical, deep_merge
+from hybrid_llama.config import ConfigError, canonical, deep_merge, without_inactive_sparse_cache
 from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
 
 from .checks import check_config
 from .paths import PATHS, QUALITY_KINDS, STAGE_ARTIFACTS, WILDCARD_PATTERNS, path, shared_data_dir
-from .variants import hybrid_settings, lora_owner, resolve_variants, transfer_owner
+from .variants import lora_owner, resolve_variants, transfer_owner
 
 __all__ = ["Pipeline"]
 
@@ -112,7 +112,7 @@ class Pipeline:
     # ---- per-variant settings
 
     def hybrid(self, variant: str) -> dict:
-        return canonical(hybrid_settings(self.variants[variant]["hybrid"]))
+        return canonical(without_inactive_sparse_cache(self.variants[variant]["hybrid"]))
 
     def transfer_owner(self, variant: str) -> str:
         return transfer_owner(self.own, variant)

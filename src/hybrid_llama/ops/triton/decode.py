@@ -35,10 +35,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .decode import check_step_shapes
-from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
-from .state import HybridState
-from .triton_common import (
+from ..feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
+from ..hybrid.step import check_step_shapes
+from ..state import HybridState
+from .common import (
     check_device,
     check_feature_dim,
     check_head_dim,
@@ -148,7 +148,7 @@ def hybrid_attention_step_triton(
     key_valid: Tensor | None = None,
     inplace: bool = False,
 ) -> tuple[Tensor, HybridState]:
-    """One decode step, same semantics as ``hybrid_llama.ops.decode.hybrid_attention_step_torch``.
+    """One decode step, same semantics as ``hybrid_llama.ops.hybrid.step.hybrid_attention_step_torch``.
 
     q ``[B, H, 1, D]``; k, v ``[B, H_kv, 1, D]`` with the state's heads equal to H_kv (H % H_kv == 0;
     H_kv = H for expanded k/v); ``key_valid`` ``[B]`` bool. Returns (out ``[B, H, 1, D]``, new state).

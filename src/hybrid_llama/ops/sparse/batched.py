@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
-from .gqa import expand_kv
-from .reference import mixing_weights
-from .sparse_cache import close_block, folded_candidates, gather_slots, sparse_final_state
-from .state import HybridState, init_state
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..gqa import expand_kv
+from ..hybrid.reference import mixing_weights
+from ..state import HybridState, init_state
+from .eviction import close_block, folded_candidates, gather_slots
+from .state import sparse_final_state
 
 GROUPS_PER_SLAB = 32  # groups attended per batched product: bounds the scores' memory at long prompts
 

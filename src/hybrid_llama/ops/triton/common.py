@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .reference import FORMULATIONS
+from ..hybrid.reference import FORMULATIONS
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 # Feature widths of maps computed outside the kernels: powers of two (tl.arange) >= 16 (tl.dot),

@@ -13,9 +13,10 @@ import math
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
-from .gqa import expand_kv
-from .sparse_cache import SRE_EPS, SparseCacheConfig, random_scores
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..gqa import expand_kv
+from .config import SparseCacheConfig
+from .eviction import SRE_EPS, random_scores
 
 
 def hybrid_attention_sparse_reference(

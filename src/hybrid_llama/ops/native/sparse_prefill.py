@@ -20,19 +20,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .cpu_prefill import TILE, _maps, _rows, _strides
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
-from .gqa import expand_kv
-from .native import MAX_D, MAX_F
-from .sparse_cache import SparseCacheConfig, close_block, gather_slots, group_bounds, sparse_final_state
-from .state import HybridState, init_state
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..gqa import expand_kv
+from ..sparse.config import SparseCacheConfig
+from ..sparse.eviction import close_block, gather_slots, group_bounds
+from ..sparse.state import sparse_final_state
+from ..state import HybridState, init_state
+from . import build
+from .bindings import TILE, Kernel, fill, fp32_rows, pointers, prefill_maps, strides3
+from .build import MAX_D, MAX_F
+
+GROUP, WORKSPACE = Kernel("hybrid_sparse_group_f32"), Kernel("hybrid_sparse_group_workspace")
+# Arguments that change from one group to the next (the rest are bound once per call).
+PER_GROUP = ("t0", "t1", "range_lo", "cache_k", "cache_v", "cache_ok", "S", "z")
 
 
 def covers(q: Tensor, cache: SparseCacheConfig, key_padding_mask: Tensor | None) -> bool:
     """Whether :func:`hybrid_attention_sparse_cpu` may take these arguments (cheap checks first)."""
     D = q.shape[-1]
-    return (native.enabled() and q.is_cpu and key_padding_mask is None and cache.score != "attention"
+    return (build.enabled() and q.is_cpu and key_padding_mask is None and cache.score != "attention"
             and D % TILE == 0 and D <= MAX_D and not torch.is_grad_enabled())
 
 
@@ -54,12 +60,12 @@ def hybrid_attention_sparse_cpu(
         k, v = expand_kv(q, k, v)
     B, H, T, D = q.shape
     Hk, w, lam, ns = k.shape[1], window, cache.size, cache.sinks
-    maps = _maps(feature_map, H, Hk, D)
-    lib = native.load()
+    maps = prefill_maps(feature_map, H, Hk, D)
+    lib = build.load()
     if maps is None or lib is None or maps[2] > MAX_F:
         return None
     map_code, weights, F = maps
-    q32, k32, v32 = _rows(q), _rows(k), _rows(v)
+    q32, k32, v32 = fp32_rows(q), fp32_rows(k), fp32_rows(v)
     wa = torch.sigmoid(window_logit.detach().float()).contiguous()
     wb = torch.sigmoid(linear_logit.detach().float()).contiguous()
     out = q32.new_empty(B, T, H, D).transpose(1, 2)  # the layer reads [B, T, H * D]: no copy there
@@ -69,16 +75,19 @@ def hybrid_attention_sparse_cpu(
     cache_ok = torch.zeros(B, Hk, lam, dtype=torch.bool)
     cache_k, cache_v = q32.new_zeros(B, Hk, lam, D), q32.new_zeros(B, Hk, lam, D)
     threads = max(1, min(torch.get_num_threads(), lib.hybrid_native_threads()))
-    work = q32.new_empty(lib.hybrid_sparse_group_workspace(B, Hk, H // Hk, D, F, w, ns, lam, threads))
-    q_map = tuple(None if t is None else t.data_ptr() for t in weights[:2])
+    work = q32.new_empty(WORKSPACE(B=B, Hk=Hk, g=H // Hk, D=D, F=F, w=w, ns=ns, lam=lam, threads=threads))
+    wq, bq = pointers(*weights[:2])
+    (q_b, q_h, q_t), (k_b, k_h, k_t), (v_b, v_h, v_t), (o_b, o_h, o_t) = map(strides3, (q32, k32, v32, out))
+    args, slots = GROUP.template(
+        PER_GROUP, B=B, H=H, Hk=Hk, D=D, F=F, w=w, ns=ns, lam=lam, T=T, map=map_code, threads=threads,
+        q=q32.data_ptr(), q_b=q_b, q_h=q_h, q_t=q_t, k=k32.data_ptr(), k_b=k_b, k_h=k_h, k_t=k_t,
+        v=v32.data_ptr(), v_b=v_b, v_h=v_h, v_t=v_t, wa=wa.data_ptr(), wb=wb.data_ptr(), wq=wq, bq=bq,
+        out=out.data_ptr(), o_b=o_b, o_h=o_h, o_t=o_t, work=work.data_ptr(),
+    )
     for J, (t0, t1) in enumerate(group_bounds(T, w, ns)):
         block = ns + J * w  # block J's first position: pending while the group runs
-        code = lib.hybrid_sparse_group_f32(
-            B, H, Hk, D, F, w, ns, lam, T, t0, t1, block if J else 0, map_code, threads,
-            q32.data_ptr(), *_strides(q32), k32.data_ptr(), *_strides(k32), v32.data_ptr(), *_strides(v32),
-            cache_k.data_ptr(), cache_v.data_ptr(), cache_ok.data_ptr(), S.data_ptr(), z.data_ptr(),
-            wa.data_ptr(), wb.data_ptr(), *q_map, out.data_ptr(), *_strides(out), work.data_ptr(),
-        )
+        code = lib.hybrid_sparse_group_f32(*fill(args, slots, t0, t1, block if J else 0, cache_k.data_ptr(),
+                                                 cache_v.data_ptr(), cache_ok.data_ptr(), S.data_ptr(), z.data_ptr()))
         if code != 0:
             return None
         if t1 < T:  # block J closes: the cache and the block compete, the rest folds (as the torch path)

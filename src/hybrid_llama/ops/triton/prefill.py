@@ -57,10 +57,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
-from .gqa import expand_kv
-from .state import HybridState, prefill_state
-from .triton_common import (
+from ..feature_maps import FeatureMap, is_elu1, keys_need_query_heads, resolve_qk_maps
+from ..gqa import expand_kv
+from ..state import HybridState, prefill_state
+from .common import (
     check_device,
     check_feature_dim,
     check_head_dim,

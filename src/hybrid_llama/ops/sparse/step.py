@@ -14,11 +14,12 @@ import math
 import torch
 from torch import Tensor
 
-from .decode import check_step_shapes
-from .feature_maps import FeatureMap, resolve_qk_maps
-from .reference import combine, mixing_weights
-from .sparse_cache import SparseCacheConfig, close_block, gather_slots
-from .state import HybridState, empty_sparse_state, init_state
+from ..feature_maps import FeatureMap, resolve_qk_maps
+from ..hybrid.reference import combine, mixing_weights
+from ..hybrid.step import check_step_shapes
+from ..state import HybridState, empty_sparse_state, init_state
+from .config import SparseCacheConfig
+from .eviction import close_block, gather_slots
 
 
 def _put(buf: Tensor, slot: int, x: Tensor) -> Tensor:
@@ -36,7 +37,7 @@ def init_sparse_state(
     device=None, dtype=None,
 ) -> HybridState:
     state = init_state(batch, kv_heads, head_dim, window, feature_dim=feature_dim, device=device, dtype=dtype)
-    state.sparse = empty_sparse_state(batch, kv_heads, head_dim, window, cache.size, cache.sinks, device=device,
+    state.sparse = empty_sparse_state(batch, kv_heads, head_dim, window, cache, device=device,
                                       dtype=dtype)
     return state
 

@@ -1,10 +1,10 @@
 """The in-place decode steps as one native call on the CPU (``cpu_kernels.c``'s ``hybrid_step_f32`` and
 ``hybrid_sparse_step_f32``).
 
-The torch step (``decode._step_in_place``) is about 20 small ops per layer and token, the sparse
-cache's (``sparse_decode``) about 140; inside a model each runs cold, so a step costs its op count
+The torch step (``ops.hybrid.step``) is about 20 small ops per layer and token, the sparse
+cache's (``ops.sparse.step``) about 140; inside a model each runs cold, so a step costs its op count
 rather than its arithmetic. The C kernels do the same step in one call (built and loaded by
-``native``; without them the torch steps run).
+``build``; without them the torch steps run).
 
 Covered: fp32 contiguous CPU tensors, elu1 or Hedgehog (query map per query head, key map per KV
 head), the three formulations, any batch and GQA, while every key in the window is real. The sparse
@@ -20,25 +20,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import native
-from .decode import check_step_shapes
-from .feature_maps import HedgehogFeatureMap, elu1
-from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
+from ..feature_maps import elu1
+from ..hybrid.step import check_step_shapes
+from ..kept import held, hold
+from ..sparse.config import SparseCacheConfig
+from . import build
+from .bindings import Kernel, fill, fp32_cpu, map_parameters
+from .build import FORMULATION_CODES, MAP_CODES, MAX_D, MAX_F, MAX_W
 
-
-def map_parameters(fmap, heads: int, D: int) -> tuple[Tensor, Tensor] | None:
-    """A Hedgehog map's ``(W [heads, D, F/2], b [heads, 1, F/2])`` as the kernel reads them, or None."""
-    if not isinstance(fmap, HedgehogFeatureMap) or fmap.num_heads != heads or fmap.head_dim != D:
-        return None
-    W, bias = fmap.weight, fmap.bias
-    fh = fmap.feature_dim
-    if W.shape != (heads, D, fh) or bias.numel() != heads * fh or not _fp32_cpu(W, bias):
-        return None
-    return W, bias
-
-
-def _fp32_cpu(*tensors: Tensor) -> bool:
-    return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+STEP, SPARSE_STEP = Kernel("hybrid_step_f32"), Kernel("hybrid_sparse_step_f32")
+# What changes from one step to the next; the rest is bound when a state's call is prepared.
+STEP_ARGS = ("seen", "threads", "q", "k", "v", "out", "cos", "sin", "rope_stride")
+SPARSE_STEP_ARGS = ("seen", "q", "k", "v", "out")
 
 
 @dataclass
@@ -53,10 +46,10 @@ class _Prepared:
     params: tuple[Tensor, ...]  # the Hedgehog maps' (weight, bias) as read from their modules
     pointers: tuple[int, ...]  # the logits' and params' data pointers: .to() keeps a tensor's identity
     formulation: str
-    sizes: tuple[int, ...]  # B, H, Hk, D, w, F (and for the sparse step: sinks, cache size)
     q_shape: torch.Size
     kv_shape: torch.Size
-    args: tuple  # formulation and map codes, then the state's and parameters' pointers
+    args: list  # the kernel's arguments, bound by name, the step's own (STEP_ARGS) left open
+    slots: tuple[int, ...]  # where those go
 
 
 _STATE_FIELDS = ("k_window", "v_window", "window_valid", "S", "z")
@@ -81,20 +74,21 @@ def _kernel_maps(phi_q_map, phi_k_map, H: int, Hk: int, D: int, F: int) -> tuple
     """``(map code, the Hedgehog maps' parameter tensors)`` as the kernels read them; None where they
     do not cover the maps. ``phi_k_map`` None: the query's map only (the sparse step)."""
     if phi_q_map is elu1 and phi_k_map in (elu1, None):
-        return 0, ()
+        return MAP_CODES["elu1"], ()
     qmap = map_parameters(phi_q_map, H, D)
     kmap = () if phi_k_map is None else map_parameters(phi_k_map, Hk, D)
     if qmap is None or kmap is None or qmap[0].shape[2] * 2 != F:
         return None
-    return 1, (*qmap, *kmap)
+    return MAP_CODES["hedgehog"], (*qmap, *kmap)
 
 
 def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor, formulation: str,
-             phi_q_map, phi_k_map) -> _Prepared | None:
+             phi_q_map, phi_k_map, cache: SparseCacheConfig | None) -> _Prepared | None:
     """Check everything the kernel will trust (it reads by these sizes) and bind the pointers; None
-    where the kernel does not cover the arguments. For a sparse state (``phi_k_map`` None) the
-    buffers the step writes are first copied into memory of the state's own: a state's tensors may
-    be views shared with the prefill that built it, and the step must not write through them."""
+    where the kernel does not cover the arguments. For the sparse step (``cache`` given, ``phi_k_map``
+    None) the state's buffers must have the cache's sizes, and the buffers the step writes are first
+    copied into memory of the state's own: a state's tensors may be views shared with the prefill
+    that built it, and the step must not write through them."""
     check_step_shapes(q, k, v, state)
     B, H, _, D = q.shape
     Hk, w, F = k.shape[1], state.window, state.S.shape[2]
@@ -105,18 +99,18 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
     if (formulation not in FORMULATION_CODES or D > MAX_D or F > MAX_F or w > MAX_W
             or window_logit.shape != (H,) or linear_logit.shape != (H,)):
         return None
-    sizes = (B, H, Hk, D, w, F)
-    if state.sparse is not None:
+    if (state.sparse is None) != (cache is None):
+        return None
+    if cache is not None:
         sp = state.sparse
-        ns, lam = sp.sink_k.shape[2], sp.cache_k.shape[2]
+        ns, lam = cache.sinks, cache.size
         shapes = {"sink_k": (B, Hk, ns, D), "sink_v": (B, Hk, ns, D), "sink_valid": (B, ns), "pend_k": (B, Hk, w, D),
                   "pend_v": (B, Hk, w, D), "pend_valid": (B, w), "cache_k": (B, Hk, lam, D),
                   "cache_v": (B, Hk, lam, D), "cache_valid": (B, Hk, lam)}
         wrong = [name for name, shape in shapes.items() if getattr(sp, name).shape != shape]
         if formulation != "lolcats" or 2 * w + ns + lam > MAX_W or wrong:
             return None
-        sizes += (ns, lam)
-    if (not _typed_as_the_kernel_reads(state) or not _fp32_cpu(window_logit, linear_logit, *params)
+    if (not _typed_as_the_kernel_reads(state) or not fp32_cpu(window_logit, linear_logit, *params)
             or v.shape != k.shape or state.v_window.shape != state.k_window.shape or state.S.shape != (B, Hk, F, D)
             or state.z.shape != (B, Hk, F) or state.window_valid.shape != (B, w)):
         return None
@@ -130,13 +124,22 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
     buffers = _buffers(state)
     if not all(t.is_contiguous() for t in buffers):
         return None
-    map_pointers = tuple(t.data_ptr() for t in params) or (None,) * (2 if phi_k_map is None else 4)
-    args = (FORMULATION_CODES[formulation], fmap, *(t.data_ptr() for t in (*buffers, window_logit, linear_logit)),
-            *map_pointers)
+    sizes = dict(B=B, H=H, Hk=Hk, D=D, w=w, F=F, map=fmap, window_logit=window_logit.data_ptr(),
+                 linear_logit=linear_logit.data_ptr())
+    own = dict(zip(("k_win", "v_win", "valid" if cache is None else "win_valid", "S", "z"),
+                   (t.data_ptr() for t in buffers[:5])))
+    if cache is None:
+        wq, bq, wk, bk = (t.data_ptr() for t in params) if params else (None,) * 4
+        args, slots = STEP.template(STEP_ARGS, **sizes, **own, formulation=FORMULATION_CODES[formulation],
+                                    wq=wq, bq=bq, wk=wk, bk=bk)
+    else:
+        wq, bq = (t.data_ptr() for t in params) if params else (None,) * 2
+        sparse = {name: t.data_ptr() for name, t in zip(_SPARSE_FIELDS, buffers[5:])}
+        args, slots = SPARSE_STEP.template(SPARSE_STEP_ARGS, **sizes, **own, **sparse, ns=ns, lam=lam, wq=wq, bq=bq)
     pointers = (window_logit.data_ptr(), linear_logit.data_ptr(), *(t.data_ptr() for t in params))
     # params: the maps' (weight, bias) as _still_valid reads them from the modules' tables
     return _Prepared(buffers, (window_logit, linear_logit), (phi_q_map, phi_k_map), params, pointers, formulation,
-                     sizes, q.shape, k.shape, args)
+                     q.shape, k.shape, args, slots)
 
 
 def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map) -> bool:
@@ -163,25 +166,26 @@ def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation
         qp["weight"], qp["bias"], phi_k_map._parameters["weight"], phi_k_map._parameters["bias"])
     if len(now) != len(params):
         return False
-    for t, held, pointer in zip(now, params, call.pointers[2:]):
-        if t is not held or t.data_ptr() != pointer:
+    for t, prepared_with, pointer in zip(now, params, call.pointers[2:]):
+        if t is not prepared_with or t.data_ptr() != pointer:
             return False
     return True
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor, formulation: str,
-          phi_q_map, phi_k_map, key: str) -> tuple[_Prepared, Tensor, Tensor, Tensor] | None:
-    """The state's prepared call (``key`` in its ``__dict__``) and the token's q, k, v, or None."""
-    call = state.__dict__.get(key)
+          phi_q_map, phi_k_map, cache: SparseCacheConfig | None,
+          key: str) -> tuple[_Prepared, Tensor, Tensor, Tensor] | None:
+    """The state's prepared call (held on the state under ``key``) and the token's q, k, v, or None."""
+    call = held(state, key)
     if call is None or not _still_valid(call, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
         # HYBRID_LLAMA_NATIVE is read here, when a state's call is prepared (reading the environment
         # costs more than the rest of a step's checks): a state keeps the path its first step took.
-        if not native.enabled() or native.load() is None:
+        if not build.enabled() or build.load() is None:
             return None
-        call = _prepare(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map)
+        call = _prepare(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, cache)
         if call is None:
             return None
-        state.__dict__[key] = call
+        hold(state, key, call)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # no copy for a model's one-token q, k, v
     if q.shape != call.q_shape or k.shape != call.kv_shape or v.shape != call.kv_shape:
         return None
@@ -211,7 +215,7 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
     ``rope``: the token's ``(cos, sin)`` as transformers' Llama rotary embedding gives them; q and k then
     arrive before RoPE and the kernel rotates them (the ring keeps the rotated key). None: q and k are
     rotated already. Where this returns None, q and k are as they came (still to be rotated)."""
-    bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, "_native_step")
+    bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, None, "native_step")
     if bound is None:
         return None
     call, q, k, v = bound
@@ -219,31 +223,32 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
     if rotation is None:
         return None
     out = torch.empty_like(q)
-    if native.load().hybrid_step_f32(*call.sizes, state.seen, *call.args[:2], torch.get_num_threads(), q.data_ptr(),
-                                     k.data_ptr(), v.data_ptr(), *call.args[2:], out.data_ptr(), *rotation) != 0:
+    if build.load().hybrid_step_f32(*fill(call.args, call.slots, state.seen, torch.get_num_threads(), q.data_ptr(),
+                                          k.data_ptr(), v.data_ptr(), out.data_ptr(), *rotation)) != 0:
         return None
     state.seen += 1
     return out
 
 
 def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor,
-                         phi_q_map) -> Tensor | None:
+                         phi_q_map, cache: SparseCacheConfig) -> Tensor | None:
     """The sparse cache's step natively (``hybrid_sparse_step_f32``), updating ``state`` in place; None
     on the step that closes a block (once every ``w`` steps: eviction and fold stay in torch) or where
     the kernel does not cover the arguments: the caller then runs the torch step
-    (``sparse_decode``), the reference this is tested against. The caller guarantees: no autograd,
+    (``ops.sparse.step``), the reference this is tested against. The caller guarantees: no autograd,
     the new key real, a score that keeps no attention sums (``sre``, ``random``)."""
-    w, ns = state.window, state.sparse.sink_k.shape[2]
+    w, ns = state.window, cache.sinks
     leaving = state.seen - w
     if leaving >= ns and (leaving - ns) % w == w - 1:
         return None
-    bound = _call(q, k, v, state, window_logit, linear_logit, "lolcats", phi_q_map, None, "_native_sparse_step")
+    bound = _call(q, k, v, state, window_logit, linear_logit, "lolcats", phi_q_map, None, cache,
+                  "native_sparse_step")
     if bound is None:
         return None
     call, q, k, v = bound
     out = torch.empty_like(q)
-    if native.load().hybrid_sparse_step_f32(*call.sizes, state.seen, call.args[1], q.data_ptr(), k.data_ptr(),
-                                            v.data_ptr(), *call.args[2:], out.data_ptr()) != 0:
+    if build.load().hybrid_sparse_step_f32(*fill(call.args, call.slots, state.seen, q.data_ptr(), k.data_ptr(),
+                                                 v.data_ptr(), out.data_ptr())) != 0:
         return None
     state.seen += 1
     return out

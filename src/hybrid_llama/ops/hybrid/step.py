@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
-from .kept import kept
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..kept import kept
+from ..state import HybridState
 from .reference import FORMULATIONS, combine, mixing_weights
-from .state import HybridState, init_state, prefill_state  # noqa: F401 (the state's home is state.py)
 
 
 def check_step_shapes(q: Tensor, k: Tensor, v: Tensor, state: HybridState) -> None:

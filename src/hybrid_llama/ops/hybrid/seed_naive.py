@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .state import HybridState, prefill_state
+from ..state import HybridState, prefill_state
 
 
 def hybrid_attention_seed_naive(

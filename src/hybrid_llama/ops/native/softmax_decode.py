@@ -20,13 +20,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
-from .gqa import expand_kv
+from ..gqa import expand_kv
+from . import build
+from .bindings import Kernel
+from .build import DECODE_G, MAX_D
+
+DECODE, WORKSPACE = Kernel("softmax_decode_f32"), Kernel("softmax_decode_workspace")
 
 KEYS_PER_CHUNK = 512  # a chunk's keys at long contexts: enough chunks for every thread, few partials to merge
 MIN_KEYS_PER_CHUNK = 64  # cpu_kernels.c's block of scores
 MIN_CHUNKS_PER_THREAD = 2
-MAX_GROUP = 16  # query heads per KV head (cpu_kernels.c: DECODE_G)
+MAX_GROUP = DECODE_G  # query heads per KV head
 
 
 def softmax_decode_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -55,7 +59,7 @@ def _covered(q: Tensor, k: Tensor, v: Tensor) -> bool:
     Hk = k.shape[1]
     return (
         k.shape[0] == B and k.shape[3] == D and k.shape[2] >= 1 and H % Hk == 0 and H // Hk <= MAX_GROUP
-        and D % 16 == 0 and D <= native.MAX_D
+        and D % 16 == 0 and D <= MAX_D
         and all(t.dtype == torch.float32 and t.is_cpu and t.stride(-1) == 1 for t in (q, k, v))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
     )
@@ -64,22 +68,21 @@ def _covered(q: Tensor, k: Tensor, v: Tensor) -> bool:
 def softmax_decode(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
     """The step natively: ``[B, H, 1, D]`` (a view of ``[B, 1, H, D]`` memory, the layout the output
     projection reads), or None when the kernel does not cover the arguments (see the module's doc)."""
-    if not native.enabled() or not _covered(q, k, v):
+    if not build.enabled() or not _covered(q, k, v):
         return None
-    lib = native.load()
-    if lib is None:
+    if build.load() is None:
         return None
     B, H, _, D = q.shape
     Hk, L = k.shape[1], k.shape[2]
     threads = torch.get_num_threads()
     chunk = keys_per_chunk(L, B * Hk, threads)
     out = q.new_empty((B, 1, H, D))
-    work = q.new_empty(lib.softmax_decode_workspace(B, H, Hk, D, L, chunk))
-    code = lib.softmax_decode_f32(
-        B, H, Hk, D, L, chunk, threads,
-        q.data_ptr(), q.stride(0), q.stride(1),
-        k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        v.data_ptr(), v.stride(0), v.stride(1), v.stride(2),
-        float(scale), out.data_ptr(), out.stride(0), out.stride(2), work.data_ptr(),
+    work = q.new_empty(WORKSPACE(B=B, H=H, Hk=Hk, D=D, L=L, chunk=chunk))
+    code = DECODE(
+        B=B, H=H, Hk=Hk, D=D, L=L, chunk=chunk, threads=threads,
+        q=q.data_ptr(), q_b=q.stride(0), q_h=q.stride(1),
+        k=k.data_ptr(), k_b=k.stride(0), k_h=k.stride(1), k_t=k.stride(2),
+        v=v.data_ptr(), v_b=v.stride(0), v_h=v.stride(1), v_t=v.stride(2),
+        scale=float(scale), out=out.data_ptr(), o_b=out.stride(0), o_h=out.stride(2), work=work.data_ptr(),
     )
     return None if code != 0 else out.transpose(1, 2)

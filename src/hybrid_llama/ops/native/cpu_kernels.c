@@ -1,14 +1,15 @@
 /* Hybrid attention's native CPU kernels, fp32, plain C99 (no torch headers), loaded through ctypes
- * (ops/native.py builds and loads them; ops/cpu_step.py and ops/cpu_prefill.py call them).
+ * (ops/native/build.py builds and loads them; the other modules of ops/native call them). Their
+ * interface is declared once, in cpu_kernels.h.
  *
- * hybrid_step_f32: one decode step, in place: the whole of ops/decode.py's in-place path (fold the
+ * hybrid_step_f32: one decode step, in place: the whole of ops/hybrid/step.py's in-place path (fold the
  * key leaving the window into S and z, write the new key and value into the ring, window softmax,
  * feature map, linear readout, mix) as one call. The torch step issues about 20 small ops per layer
  * and token, and inside a model each of them runs cold (the other layers evicted its code and data),
  * so the step costs its op count, not its arithmetic. Its KV heads' folds, then its query heads'
  * readouts, are split over ``threads``.
  *
- * hybrid_sparse_step_f32: the same for the sparse cache's step (ops/sparse_decode.py), on the steps
+ * hybrid_sparse_step_f32: the same for the sparse cache's step (ops/sparse/step.py), on the steps
  * that close no block.
  *
  * hybrid_prefill_f32: the parallel op over a range of positions, as the recurrence: per position,
@@ -18,7 +19,7 @@
  * memory for each of its ~30 ops; and it does only the op's own FLOPs (no masked half-blocks).
  *
  * softmax_decode_f32: a softmax layer's decode step, one query over its whole KV cache, the keys split
- * into chunks that the threads share (ops/softmax_decode.py).
+ * into chunks that the threads share (ops/native/softmax_decode.py).
  *
  * Step preconditions (checked by the caller): every tensor contiguous fp32 on the CPU, the new key
  * real, and every key already in the window real. Layouts, per batch row b:
@@ -34,10 +35,11 @@
 #include <omp.h>
 #endif
 
-enum { FORM_HYBRID = 0, FORM_LOLCATS = 1, FORM_WINDOW = 2 };
-enum { MAP_ELU1 = 0, MAP_HEDGEHOG = 1 };
-/* Scratch lives on the stack (no allocation per step); these bound it for any thread's stack. */
-enum { MAX_D = 256, MAX_F = 1024, MAX_W = 4096, MAX_G = 64 };  /* MAX_G: query heads per KV head (prefill) */
+#include "cpu_kernels.h"  /* the entry points and constants, declared once */
+
+#define HYBRID_DESCRIBE(ret, name, params) #ret " " #name #params "\n"
+const char *hybrid_interface(void) { return HYBRID_KERNELS(HYBRID_DESCRIBE); }
+#undef HYBRID_DESCRIBE
 
 /* exp(x) for x <= 0 (every argument here is shifted by its maximum): 2^n * p(r) with
  * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial (relative error about 2e-7). Branch-free, so
@@ -59,7 +61,7 @@ static inline float exp_nonpos(float x) {
     return p * two_n.f;
 }
 
-enum { TILE = 64, QB = 16 };  /* key/value tile; positions per block */
+enum { QB = 16 };  /* positions per block (TILE: the key/value tile, in cpu_kernels.h) */
 /* A TILE-wide accumulator as four GCC/Clang vectors of 16 floats: kept in registers (arrays were
  * spilled to the stack around every FMA); the compiler splits them for narrower SIMD. */
 typedef float vec16 __attribute__((vector_size(64), aligned(4), may_alias));  /* unaligned loads of float rows */
@@ -385,7 +387,7 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
     return 0;
 }
 
-/* hybrid_sparse_step_f32: ops/sparse_decode.py's step with the sparse cache, in place, for the
+/* hybrid_sparse_step_f32: ops/sparse/step.py's step with the sparse cache, in place, for the
  * w - 1 of every w steps that close no block (the closing step evicts and folds in torch). The key
  * leaving the window moves to its sink or pending slot with its validity, the new key takes the ring
  * slot, and each query head attends the exact set (ring, sinks, cache, pending; slots not valid are
@@ -506,7 +508,6 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
  * The g query heads of a KV head go together (rows_times), so each key, value and S row is loaded
  * once for all of them; the keys leaving the window are folded into S once per block (pass 3).
  * Sizes are checked by hybrid_prefill_f32. */
-long long hybrid_prefill_workspace(int g, int w, int D);
 
 static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formulation, int map,
                             long long t0, long long t1,
@@ -706,7 +707,7 @@ int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, i
 }
 
 /* hybrid_sparse_group_f32: the outputs of one group of queries t0 .. t1-1 of the sparse op
- * (ops/sparse_cache.py: the queries that see the same J closed blocks), for inference without
+ * (ops/sparse/chunked.py: the queries that see the same J closed blocks), for inference without
  * padding. Query t attends exactly the sinks that have left the window (positions p < ns with
  * p <= t - w), the cache (its valid slots) and the positions lo_t .. t: block J's keys that have left
  * the window, then the window, with lo_t = range_lo for J >= 1 (block J's start) and
@@ -865,7 +866,7 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
 }
 
 /* softmax_decode_f32: one new query per batch row and head, softmax attention over a KV cache of L
- * keys: the decode step of a hybrid model's softmax layers (ops/softmax_decode.py). A decode step
+ * keys: the decode step of a hybrid model's softmax layers (ops/native/softmax_decode.py). A decode step
  * reads the whole cache for a few FLOPs per key, so its cost is how fast the cache streams from
  * memory. Each (batch row, KV head)'s keys are split into chunks that the threads share: a chunk
  * loads each key and value row once for all the query heads of its KV head and leaves a partial
@@ -876,7 +877,7 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
  * k_t), e.g. views of a cache buffer with spare capacity; out [B, H, D] (o_b, o_h). Query head h reads
  * KV head h / (H / Hk). work: softmax_decode_workspace(...) floats. Returns 0, or -1 for arguments it
  * does not cover (D a multiple of 16 up to MAX_D, at most DECODE_G query heads per KV head). */
-enum { DECODE_KEYS = 64, DECODE_G = 16 };  /* keys per block of scores; query heads per KV head */
+enum { DECODE_KEYS = 64 };  /* keys per block of scores (DECODE_G: in cpu_kernels.h) */
 
 static long long decode_chunks(long long L, long long chunk) { return (L + chunk - 1) / chunk; }
 

@@ -29,13 +29,13 @@ import ctypes
 import torch
 from torch import Tensor
 
-from . import native
-from .cpu_step import map_parameters
-from .feature_maps import FeatureMap, elu1, resolve_qk_maps
-from .native import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
-from .state import HybridState, linear_sums_of, prefill_state
+from ..feature_maps import FeatureMap
+from ..state import HybridState, linear_sums_of, prefill_state
+from . import build
+from .bindings import TILE, Kernel, fp32_rows, pointers, prefill_maps, strides3
+from .build import FORMULATION_CODES, MAX_D, MAX_F, MAX_W
 
-TILE = 64  # cpu_kernels.c: keys per score tile, and the head dim's granule
+PREFILL, WORKSPACE = Kernel("hybrid_prefill_f32"), Kernel("hybrid_prefill_workspace")
 MIN_SEGMENT = 128  # positions per thread below which one thread does it all
 
 
@@ -43,7 +43,7 @@ def covers(q: Tensor, k: Tensor, window: int, formulation: str, key_padding_mask
     """Whether :func:`hybrid_attention_cpu` may take these arguments (cheap checks, before any work;
     the feature map is checked there)."""
     D = q.shape[-1]
-    return (native.enabled() and q.is_cpu and key_padding_mask is None and formulation in FORMULATION_CODES
+    return (build.enabled() and q.is_cpu and key_padding_mask is None and formulation in FORMULATION_CODES
             and D % TILE == 0 and D <= MAX_D and 1 <= window <= MAX_W and not torch.is_grad_enabled()
             and q.shape[2] > window)
 
@@ -51,27 +51,6 @@ def covers(q: Tensor, k: Tensor, window: int, formulation: str, key_padding_mask
 def _segments(T: int, threads: int) -> list[int]:
     n = max(1, min(threads, T // MIN_SEGMENT))
     return [T * i // n for i in range(n + 1)]
-
-
-def _rows(x: Tensor) -> Tensor:
-    """fp32 with a contiguous last dim (the kernel takes the other strides as they are)."""
-    x = x.float()
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _strides(x: Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _maps(feature_map: FeatureMap, H: int, Hk: int, D: int) -> tuple[int, tuple, int] | None:
-    """``(map code, (wq, bq, wk, bk), F)`` as the kernel reads the maps, or None for other maps."""
-    phi_q, phi_k = resolve_qk_maps(feature_map)
-    if phi_q is elu1 and phi_k is elu1:
-        return 0, (None,) * 4, D
-    qmap, kmap = map_parameters(phi_q, H, D), map_parameters(phi_k, Hk, D)
-    if qmap is None or kmap is None or qmap[0].shape[2] != kmap[0].shape[2]:
-        return None
-    return 1, (*(t.detach() for t in qmap), *(t.detach() for t in kmap)), 2 * qmap[0].shape[2]
 
 
 def hybrid_attention_cpu(
@@ -91,14 +70,14 @@ def hybrid_attention_cpu(
     (``check_inputs``)."""
     B, H, T, D = q.shape
     Hk, w = k.shape[1], window
-    maps = _maps(feature_map, H, Hk, D)
-    lib = native.load()
+    maps = prefill_maps(feature_map, H, Hk, D)
+    lib = build.load()
     if maps is None or lib is None:
         return None
     map_code, weights, F = maps
     if F > MAX_F:
         return None
-    q32, k32, v32 = _rows(q), _rows(k), _rows(v)
+    q32, k32, v32 = fp32_rows(q), fp32_rows(k), fp32_rows(v)
     wa = torch.sigmoid(window_logit.detach().float()).contiguous()
     wb = torch.sigmoid(linear_logit.detach().float()).contiguous()
     out = q32.new_empty(B, T, H, D).transpose(1, 2)  # the layer reads [B, T, H * D]: no copy there
@@ -115,14 +94,17 @@ def hybrid_attention_cpu(
             S_part, z_part = linear_sums_of(k32[:, :, lo:hi], v32[:, :, lo:hi], None, feature_map)
             torch.add(S[s - 1], S_part, out=S[s])
             torch.add(z[s - 1], z_part, out=z[s])
-    stride = lib.hybrid_prefill_workspace(H // Hk, w, D)
+    stride = WORKSPACE(g=H // Hk, w=w, D=D)
     work = q32.new_empty(n, stride)
-    pointers = tuple(None if t is None else t.data_ptr() for t in weights)
-    code = lib.hybrid_prefill_f32(
-        B, H, Hk, T, D, w, F, FORMULATION_CODES[formulation], map_code, n, (ctypes.c_longlong * (n + 1))(*bounds),
-        q32.data_ptr(), *_strides(q32), k32.data_ptr(), *_strides(k32), v32.data_ptr(), *_strides(v32),
-        *pointers, wa.data_ptr(), wb.data_ptr(), S.data_ptr(), z.data_ptr(),
-        out.data_ptr(), *_strides(out), work.data_ptr(), stride,
+    wq, bq, wk, bk = pointers(*weights)
+    (q_b, q_h, q_t), (k_b, k_h, k_t), (v_b, v_h, v_t), (o_b, o_h, o_t) = map(strides3, (q32, k32, v32, out))
+    code = PREFILL(
+        B=B, H=H, Hk=Hk, T=T, D=D, w=w, F=F, formulation=FORMULATION_CODES[formulation], map=map_code,
+        segments=n, bounds=(ctypes.c_longlong * (n + 1))(*bounds),
+        q=q32.data_ptr(), q_b=q_b, q_h=q_h, q_t=q_t, k=k32.data_ptr(), k_b=k_b, k_h=k_h, k_t=k_t,
+        v=v32.data_ptr(), v_b=v_b, v_h=v_h, v_t=v_t, wq=wq, bq=bq, wk=wk, bk=bk, wa=wa.data_ptr(), wb=wb.data_ptr(),
+        S=S.data_ptr(), z=z.data_ptr(), out=out.data_ptr(), o_b=o_b, o_h=o_h, o_t=o_t, work=work.data_ptr(),
+        work_stride=stride,
     )
     if code != 0:
         return None

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 
 if TYPE_CHECKING:
-    from .state import HybridState
+    from ..state import HybridState
 
 # hybrid: the published recreation's two normalizers; lolcats: one shared normalizer; window: the
 # softmax window alone (the linear part switched off: the window-only control).
@@ -174,7 +174,7 @@ def hybrid_attention_reference(
     o = combine(formulation, a, b, *parts).to(q.dtype)
     if not output_final_state:
         return o, None
-    from .state import prefill_state  # (lazy: ops' modules import this one first)
+    from ..state import prefill_state  # (lazy: ops' modules import this one first)
 
     return o, prefill_state(k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
 

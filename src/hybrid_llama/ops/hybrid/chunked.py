@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
-from .gqa import expand_kv
+from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
+from ..gqa import expand_kv
+from ..state import HybridState, prefill_state
 from .reference import check_inputs, combine, mixing_weights
-from .state import HybridState, prefill_state
 
 SLAB_TARGET = 1024  # positions per slab: keeps every intermediate a few MB (cache-sized, heap-reused)
 
