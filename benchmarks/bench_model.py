@@ -32,8 +32,8 @@ Two sweeps:
 It prints both tables and, for each hybrid variant, the three ratios the goals are set on: prefill
 tokens/s at the longest length vs base, decode tokens/s at the decode context and batch vs base,
 and cache bytes vs base at that context. The goals depend on the device (``GOALS``): on a GPU the
-model-level goals of docs/triton.md, on a CPU issue #26's at 8192 tokens. A ratio is ``nan`` where
-either side did not finish (status oom/error/skipped).
+model-level goals of docs/triton.md, on a CPU those of docs/performance.md at 8192 tokens. A ratio
+is ``nan`` where either side did not finish (status oom/error/skipped).
 """
 
 from __future__ import annotations

@@ -423,7 +423,7 @@ def main() -> int:
 
 
 def _goals(rows: list[dict], bw: float | None, tmax: int) -> None:
-    """Print the issue's targets next to what was measured (nothing is asserted)."""
+    """Print the GPU goals (docs/triton.md) next to what was measured (nothing is asserted)."""
     T = 2**tmax
     pick = lambda **kw: next((r for r in rows if all(r.get(k) == v for k, v in kw.items())), None)  # noqa: E731
     tri = pick(kind="prefill", impl="triton", T=T, pass_="fwd")

@@ -438,7 +438,7 @@ print(type(model).__name__)
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [V, L])
 def test_exported_model_loads_like_the_pipeline(built, tmp_path, variant):
-    """#27's acceptance on the test DAG's export: in a fresh process, `import hybrid_llama` +
+    """The exported model's acceptance on the test DAG: in a fresh process, `import hybrid_llama` +
     AutoModelForCausalLM gives the stage loader's logits (the model the evaluations scored) and
     its greedy tokens; without the import the same call fails instead of returning a Llama."""
     import torch
