@@ -44,6 +44,8 @@ from hybrid_llama.report.results import (
     stage_rows,
 )
 from hybrid_llama.report.summary import summarize
+from hybrid_llama.report.zeroshot import load as load_zeroshot
+from hybrid_llama.report.zeroshot import tables as zeroshot_tables
 
 PACKAGES = ["hybrid-llama", "torch", "transformers", "peft", "lm_eval", "triton", "snakemake",
             "safetensors", "tokenizers", "datasets", "numpy", "pandas", "matplotlib", "jinja2"]
@@ -311,6 +313,7 @@ def build_context(
     lora_metrics: list,
     manifests: list,
     exports: list = (),
+    zeroshot: list = (),
     report_dir: str | Path = "results",
     benchmarks_dir: str | Path = "logs/benchmarks",
     repo_dir: str | Path = ".",
@@ -328,12 +331,13 @@ def build_context(
              fmt: str | None = None) -> str | None:
         return plots_by_name.get((name, model, variant, device, fmt))
 
-    heads = headlines(pipe, res)
+    zs = load_zeroshot(zeroshot, missing)
+    heads = headlines(pipe, res, zs if zeroshot else None)
     glance = []
     for h in heads:
         glance.append({
             "id": h.id, "model": h.model, "device": h.device, "device_name": h.device_name, "lengths": h.lengths,
-            "window": h.window, "mmlu_headers": h.mmlu_headers,
+            "window": h.window, "mmlu_headers": h.mmlu_headers, "zeroshot": h.zeroshot,
             "rows": [{"label": r.label, "shared": r.slot in SHARED_STAGES, "cells": r.cells} for r in h.rows],
             "summary": summarize(h, res),
         })
@@ -430,6 +434,8 @@ def build_context(
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
         "mmlu": mmlu_table,
+        "zeroshot": [{**t, "id": anchor("zeroshot", t["model"], t["device"])} for t in zeroshot_tables(
+            zs, {v: pipe.hybrid(v)["window"] for v in pipe.variants}, pipe.hybrid(next(iter(pipe.variants)))["window"])],
         "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
                        if k[0] == "plot_mmlu"],
         "chance": CHANCE,
