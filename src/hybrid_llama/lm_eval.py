@@ -39,3 +39,7 @@ def with_include_path(args: list[str], folder: str) -> list[str]:
     if not args or any(a in ("-h", "--help") or a.startswith("--include_path") for a in args):
         return args
     return [*args, "--include_path", folder]
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ beyond the softmax window; ``beyond_window``).
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections import defaultdict
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_llama.eval.tables import mean_sd
 from hybrid_llama.files import atomic_write
 from hybrid_llama.runtime import device_name, resolve_dtype
 from hybrid_llama.tasks import TASK_NAMES, task_manager
@@ -103,6 +105,16 @@ def _example(sample: dict, name: str, lm: Any) -> dict:
     return rec
 
 
+def _stderr(reported: Any, scores: list) -> float:
+    """lm-eval's stderr; where it reports none ('N/A': a group whose subjects drew one question each
+    has no per-subject stderr to pool), the same formula over the examples: sample sd / sqrt(n)."""
+    try:
+        return float(reported)
+    except (TypeError, ValueError):
+        xs = [float(x) for x in scores if x is not None]
+        return mean_sd(xs)[1] / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+
+
 def beyond_window(examples: list[dict], window: int) -> dict[str, float]:
     """Of the examples' tokens (every request: context + continuation), the share at positions the
     softmax window no longer covers from the start (position >= window, where older keys reach the
@@ -178,7 +190,7 @@ def run_suite(
                                  "n_docs": sum(n for name, n in sizes.items() if suite_key(name) == key)}
         for metric in METRICS[key]:
             entry[metric] = float(res[f"{metric},none"])
-            entry[f"{metric}_stderr"] = float(res[f"{metric}_stderr,none"])
+            entry[f"{metric}_stderr"] = _stderr(res[f"{metric}_stderr,none"], [e.get(metric) for e in own])
         per_task[key] = entry
 
     meta = dict(meta or {})
