@@ -299,3 +299,41 @@ def test_report_headline_and_table_give_the_suite_against_base(tmp_path):
     # beyond the 16-token window: every example is longer than it
     assert "100 % of examples" in html
 
+
+
+# ----------------------------------------------------------------- the workflow's view
+
+
+def _pipeline(**zeroshot):
+    import yaml
+    from snakemake.utils import validate
+
+    from hybrid_llama import config
+    from hybrid_llama.pipeline import Pipeline
+
+    cfg = yaml.safe_load((SRC.parent / "config" / "test.yaml").read_text())
+    cfg["zeroshot"].update(zeroshot)
+    validate(cfg, str(config.SCHEMA_PATH))
+    return Pipeline(cfg, repo=SRC.parent)
+
+
+def test_zeroshot_jobs_are_base_and_the_named_variants_final_stages():
+    from hybrid_llama.config import ConfigError
+
+    p = _pipeline()
+    assert p.zeroshot_slots() == [("base", "base"), ("lc16", "transfer_lora")]
+    assert p.zeroshot_files("tiny") == ["results/tiny/base/zeroshot/cpu/base.json",
+                                        "results/tiny/lc16/zeroshot/cpu/transfer_lora.json"]
+    assert p.report_inputs()["zeroshot"] == p.zeroshot_files("tiny")
+    every = _pipeline(variants=None).zeroshot_slots()
+    assert every == [("base", "base"), ("w16", "transfer_lora"), ("lc16", "transfer_lora"), ("win16", "converted")]
+    settings = p.zeroshot_settings()
+    assert settings["limit"] == 2 and settings["shared_data"] == str(p.shared_data())
+    with pytest.raises(ConfigError, match=r"zeroshot\.variants\[0\]"):
+        _pipeline(variants=["nope"]).check()
+    q = _pipeline(source="local", tasks=["piqa"])
+    q.config["shared_data"] = str(SRC)  # a directory without the mirror's files
+    for name in ("transfer", "instruct", "mmlu"):
+        q.config["data"][name]["source"] = "hf"
+    with pytest.raises(ConfigError, match=r"zeroshot\.source.*piqa/valid\.jsonl"):
+        q.check()

@@ -332,6 +332,7 @@ def build_context(
         return plots_by_name.get((name, model, variant, device, fmt))
 
     zs = load_zeroshot(zeroshot, missing)
+    windows = {v: pipe.hybrid(v)["window"] for v in pipe.variants}
     heads = headlines(pipe, res, zs if zeroshot else None)
     glance = []
     for h in heads:
@@ -434,8 +435,8 @@ def build_context(
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
         "mmlu": mmlu_table,
-        "zeroshot": [{**t, "id": anchor("zeroshot", t["model"], t["device"])} for t in zeroshot_tables(
-            zs, {v: pipe.hybrid(v)["window"] for v in pipe.variants}, pipe.hybrid(next(iter(pipe.variants)))["window"])],
+        "zeroshot": [{**t, "id": anchor("zeroshot", t["model"], t["device"])}
+                     for t in zeroshot_tables(zs, windows, windows[next(iter(windows))])],
         "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
                        if k[0] == "plot_mmlu"],
         "chance": CHANCE,

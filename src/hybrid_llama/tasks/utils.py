@@ -94,7 +94,7 @@ def _arc_rows(paths: list[Path]) -> list[dict]:
 
 def _hellaswag_rows(paths: list[Path]) -> list[dict]:
     keys = ("ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type")
-    return [{**{k: r[k] for k in keys}, "label": str(r["label"])} for r in _jsonl(paths[0])]  # the Hub's label is a string
+    return [{**{k: r[k] for k in keys}, "label": str(r["label"])} for r in _jsonl(paths[0])]  # a string on the Hub
 
 
 def _winogrande_rows(paths: list[Path]) -> list[dict]:
