@@ -4,10 +4,10 @@ through lm-eval's own task machinery, with every example's result kept so that s
 The tasks are the YAMLs of ``hybrid_llama.tasks`` (the built-in tasks' prompts on the offline
 mirror or the Hub). ``run_suite`` evaluates a model on a seeded sample of each task's examples
 (``sample_doc_ids``: the same examples for every model, since it depends only on the seed and the
-task sizes; MMLU draws from its 14,042 questions pooled) and
-returns lm-eval's accuracy and stderr per task plus one record per example: the per-metric 0/1
-scores, the choices' loglikelihoods, and the token lengths of its requests (for the share of tokens
-beyond the softmax window; ``beyond_window``).
+task sizes; MMLU draws from its 14,042 questions pooled) and returns lm-eval's accuracy and stderr
+per task plus one record per example: the per-metric 0/1 scores, the choices' loglikelihoods, and
+the token lengths of its requests (for the share of tokens beyond the softmax window;
+``beyond_window``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 SCHEMA = "hybrid_llama.zeroshot/1"
 SUITE = tuple(TASK_NAMES)  # every task, in the report's order
-# The six tasks of the linearization papers' table and the metric each reports (LoLCATs, Table 3).
+# The six tasks of the linearization papers' table (LoLCATs, Liger, LoLA) and the metric each reports.
 LOLCATS_METRICS = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
                    "winogrande": "acc", "mmlu": "acc"}
 METRICS = {"piqa": ("acc", "acc_norm"), "arc_easy": ("acc", "acc_norm"), "arc_challenge": ("acc", "acc_norm"),
@@ -87,7 +87,7 @@ def _load_sample(manager: Any, names: list[str], limit: int | dict | None, seed:
 def _example(sample: dict, name: str, lm: Any) -> dict:
     """One example's record from an lm-eval logged sample."""
     args = [tuple(a) for a in sample["arguments"]]
-    resps = [r for r in sample["filtered_resps"]]
+    resps = list(sample["filtered_resps"])
     rec: dict[str, Any] = {
         "task": suite_key(name),
         "subtask": name.split("::", 1)[1] if "::" in name else None,
