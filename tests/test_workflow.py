@@ -399,8 +399,11 @@ def test_whole_dag_outputs(built):
         "resources/data/transfer/tiny/L64_N2048.json",
         "resources/data/transfer/tiny/L128_N1024.json",
         "logs/benchmarks/report.tsv",
+        f"results/{M}/base/zeroshot/{D}/base.json",
+        f"results/{M}/{L}/zeroshot/{D}/transfer_lora.json",
     ):
         assert (wf / rel).is_file(), rel
+    assert 'id="zeroshot"' in html  # the zero-shot suite's table (base and zeroshot.variants)
     # each variant's quality tables hold its stages and the shared ones, base and control included
     for variant, stages in SLOTS.items():
         table = (wf / f"results/{M}/{variant}/quality/{D}/perplexity.csv").read_text().splitlines()[1:]

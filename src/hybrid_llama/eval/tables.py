@@ -2,7 +2,8 @@
 
 - CSV: ``write_rows`` / ``read_rows`` and, per kind of quality table, its columns, writer and reader
   (``perplexity.csv``, ``passkey.csv``, ``components.csv``).
-- Paired statistics: ``paired_difference`` (MMLU accuracy of two results over the same questions) and
+- Paired statistics: ``paired_difference`` (MMLU accuracy of two results over the same questions; its
+  arithmetic is ``paired_scores``, for any two {item: score} maps, as the zero-shot suite's) and
   ``paired_nll_difference`` (NLL of two stages over the same windows). Two models scored on the same
   items make correlated errors, so the paired standard error is the honest (and usually smaller) one.
 
@@ -162,9 +163,19 @@ def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") ->
     settings = {k: (result_a.get(k), result_b.get(k)) for k in ("fmt", "shots") if result_a.get(k) != result_b.get(k)}
     if settings:
         raise ValueError(f"results differ in {settings}: not the same questions/prompts")
+    if not set(a) & set(b):
+        raise ValueError("the two results share no questions")
+    stats = paired_scores(a, b)
+    return {"metric": metric, **stats, "fmt": result_a.get("fmt"), "shots": result_a.get("shots")}
+
+
+def paired_scores(a: dict[Any, float], b: dict[Any, float]) -> dict:
+    """Mean score of a minus b over the keys (items) both scored, with the paired statistics of
+    ``paired_difference`` (n, acc_a, acc_b, diff, stderr_a/b/paired/unpaired, n_discordant,
+    significant); raises ValueError when they share no item."""
     common = sorted(set(a) & set(b), key=repr)
     if not common:
-        raise ValueError("the two results share no questions")
+        raise ValueError("the two results share no items")
     xa = [a[k] for k in common]
     xb = [b[k] for k in common]
     d = [x - y for x, y in zip(xa, xb)]
@@ -174,7 +185,6 @@ def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") ->
     diff, sd_d = mean_sd(d)
     se_a, se_b, se_d = sd_a / math.sqrt(n), sd_b / math.sqrt(n), sd_d / math.sqrt(n)
     return {
-        "metric": metric,
         "n": n,
         "acc_a": acc_a,
         "acc_b": acc_b,
@@ -183,9 +193,7 @@ def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") ->
         "stderr_b": se_b,
         "stderr_paired": se_d,
         "stderr_unpaired": math.sqrt(se_a**2 + se_b**2),
-        "n_discordant": sum(1 for x in d if x != 0),  # questions exactly one of the two got right
-        "fmt": result_a.get("fmt"),
-        "shots": result_a.get("shots"),
+        "n_discordant": sum(1 for x in d if x != 0),  # items exactly one of the two got right
         "significant": bool(abs(diff) > 2 * se_d) if not math.isnan(se_d) else False,
     }
 

@@ -65,6 +65,17 @@ def check_config(p: Pipeline) -> None:
         _check_training(p, v)
         _check_sparse_cache(p, v)
 
+    zeroshot = p.config["zeroshot"]
+    if zeroshot["source"] == "local":
+        from hybrid_llama.tasks import LOCAL_FILES
+
+        absent = [rel for t in zeroshot["tasks"] for rel in LOCAL_FILES[t] if not (p.shared_data() / rel).exists()]
+        if absent:
+            raise ConfigError("zeroshot.source", f"'local' but {absent} are not in shared_data ({p.shared_data()})")
+    for i, v in enumerate(zeroshot["variants"] or []):
+        if v not in p.variants:
+            raise ConfigError(f"zeroshot.variants[{i}]", f"'{v}' is not a variant of this config ({list(p.variants)})")
+
 
 def _check_sparse_cache(p: Pipeline, v: str) -> None:
     h = p.hybrid(v)

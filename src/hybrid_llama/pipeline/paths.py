@@ -63,6 +63,8 @@ PATHS: dict[str, str] = {
     "lora_metrics": "results/{model}/{variant}/lora/metrics.json",
     "lora_loss": "results/{model}/{variant}/lora/loss.csv",
     "mmlu": "results/{model}/{variant}/mmlu/{device}/{stage}/{fmt}_{shots}shot.json",
+    # The zero-shot suite (lm-eval tasks of hybrid_llama.tasks) of one stage, every example's scores kept.
+    "zeroshot": "results/{model}/{variant}/zeroshot/{device}/{stage}.json",
     "stage_quality": "results/{model}/{variant}/quality/{device}/{stage}/{kind}.csv",
     "quality": "results/{model}/{variant}/quality/{device}/{kind}.csv",
     "generations": "results/{model}/{variant}/generations/{stage}.json",

@@ -109,6 +109,23 @@ class Pipeline:
         keep = ("limit", "subjects", "batch_size", "dtype")
         return canonical({"data": self.mmlu_data(), **{k: self.config["mmlu"][k] for k in keep}})
 
+    def zeroshot_settings(self) -> dict:
+        """Params of every zero-shot job: the sample, the lm-eval settings and where the data is."""
+        cfg = self.config["zeroshot"]
+        keep = ("tasks", "limit", "seed", "batch_size", "dtype", "source")
+        return canonical({**{k: cfg[k] for k in keep}, "shared_data": str(self.shared_data())})
+
+    def zeroshot_slots(self) -> list[tuple[str, str]]:
+        """(slot, stage) of the zero-shot jobs: base, and each named variant (every variant when
+        zeroshot.variants is null) at its final stage."""
+        named = self.config["zeroshot"]["variants"]
+        variants = list(self.variants) if named is None else named
+        return [("base", "base")] + [(v, self.variant_stages(v)[-1]) for v in variants if self.variant_stages(v)]
+
+    def zeroshot_files(self, model: str) -> list[str]:
+        return [path("zeroshot", model=model, variant=slot, device=d, stage=stage)
+                for d in self.devices for slot, stage in self.zeroshot_slots()]
+
     # ---- per-variant settings
 
     def hybrid(self, variant: str) -> dict:
@@ -298,6 +315,7 @@ class Pipeline:
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {
             "mmlu": [f for m in m_ for f in self.mmlu_files(m)],
+            "zeroshot": [f for m in m_ for f in self.zeroshot_files(m)],
             "quality": [
                 path("quality", model=m, variant=v, device=d, kind=k)
                 for m in m_

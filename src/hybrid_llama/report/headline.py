@@ -31,6 +31,7 @@ from hybrid_llama.report.results import (
     speed_table,
     within_noise,
 )
+from hybrid_llama.report.zeroshot import headline_cell as zeroshot_headline_cell
 
 NOT_MEASURED = "not measured"
 
@@ -81,6 +82,7 @@ class Headline:
     lengths: dict[str, int | None]  # throughput / nll / passkey lengths the columns are measured at
     window: int | None
     mmlu_headers: list[tuple[str, str]]  # (setting, metric) of each MMLU column
+    zeroshot: bool = False  # whether the last column is the zero-shot suite's average
 
     @property
     def id(self) -> str:
@@ -233,8 +235,17 @@ def _window(pipe: Pipeline) -> int | None:
     return windows.most_common(1)[0][0] if windows else None
 
 
-def headlines(pipe: Pipeline, res: Results) -> list[Headline]:
-    """One headline table per (model, device) of the config."""
+def _zeroshot_cell(zeroshot: dict, model: str, device: str, slot: str, stage: str, href: str) -> Cell:
+    c = zeroshot_headline_cell(zeroshot, model, device, slot, stage)
+    if c is None:
+        return missing(href, "this stage is not in zeroshot.variants (or its job has not run)")
+    return Cell(c["text"], href, c["title"], css=c["css"], note=c["note"], value=c["value"])
+
+
+def headlines(pipe: Pipeline, res: Results, zeroshot: dict | None = None) -> list[Headline]:
+    """One headline table per (model, device) of the config. Given the zero-shot results
+    (``report.zeroshot.load``; an empty dict when listed but not there), a last column gives each
+    row's six-task average (base) or its percentage of base's."""
     window = _window(pipe)
     mmlu_settings = sorted({(k[4], k[5]) for k in res.mmlu}, key=lambda x: (x[0] != "mc", x[0], x[1]))
     if not mmlu_settings:
@@ -251,7 +262,7 @@ def headlines(pipe: Pipeline, res: Results) -> list[Headline]:
             }
             href = {k: "#" + anchor(k, model, device) for k in ("throughput", "memory", "nll", "passkey", "mmlu")}
             columns = ["prefill", "decode", "cache", "nll_window", "nll_longest", "passkey"]
-            columns += [f"mmlu_{f}_{s}" for f, s in mmlu_settings]
+            columns += [f"mmlu_{f}_{s}" for f, s in mmlu_settings] + (["zeroshot"] if zeroshot is not None else [])
             rows = []
             for slot, stage in row_specs(pipe):
                 shared = slot in SHARED_STAGES
@@ -261,6 +272,9 @@ def headlines(pipe: Pipeline, res: Results) -> list[Headline]:
                 cells.append(_nll_cell(res, model, device, slot, stage, lengths["nll"], href["nll"]))
                 cells.append(_passkey_cell(res, model, device, slot, stage, lengths["passkey"], href["passkey"]))
                 cells += [_mmlu_cell(res, model, device, slot, stage, f, s, href["mmlu"]) for f, s in mmlu_settings]
+                if zeroshot is not None:
+                    cells.append(_zeroshot_cell(zeroshot, model, device, slot, stage,
+                                                "#" + anchor("zeroshot", model, device)))
                 label = STAGE_LABELS[stage] if shared else f"{slot}: {STAGE_LABELS[stage]}"
                 rows.append(Row(model, device, slot, stage, label, cells, None if shared else row_window,
                                 None if shared else pipe.hybrid(slot)["formulation"]))
@@ -268,5 +282,5 @@ def headlines(pipe: Pipeline, res: Results) -> list[Headline]:
             names |= {m.get("device_name") for k, m in res.mmlu.items() if k[0] == model and k[2] == device}
             headers = [(f"{s}-shot" + (f" {f}" if several_formats else ""), mmlu_metric(f)) for f, s in mmlu_settings]
             out.append(Headline(model, device, ", ".join(sorted(n for n in names if n)) or device, columns, rows,
-                                lengths, window, headers))
+                                lengths, window, headers, zeroshot is not None))
     return out

@@ -41,6 +41,8 @@ from hybrid_llama.report.tables import (
     stage_name,
     throughput_tables,
 )
+from hybrid_llama.report.zeroshot import load as load_zeroshot
+from hybrid_llama.report.zeroshot import tables as zeroshot_tables
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -87,6 +89,7 @@ def build_context(
     lora_metrics: list,
     manifests: list,
     exports: list = (),
+    zeroshot: list = (),
     report_dir: str | Path = "results",
     benchmarks_dir: str | Path = "logs/benchmarks",
     repo_dir: str | Path = ".",
@@ -104,12 +107,14 @@ def build_context(
              fmt: str | None = None) -> str | None:
         return plots_by_name.get((name, model, variant, device, fmt))
 
-    heads = headlines(pipe, res)
+    zs = load_zeroshot(zeroshot, missing)
+    windows = {v: pipe.hybrid(v)["window"] for v in pipe.variants}
+    heads = headlines(pipe, res, zs if zeroshot else None)
     glance = []
     for h in heads:
         glance.append({
             "id": h.id, "model": h.model, "device": h.device, "device_name": h.device_name, "lengths": h.lengths,
-            "window": h.window, "mmlu_headers": h.mmlu_headers,
+            "window": h.window, "mmlu_headers": h.mmlu_headers, "zeroshot": h.zeroshot,
             "rows": [{"label": r.label, "shared": r.slot in SHARED_STAGES, "cells": r.cells} for r in h.rows],
             "summary": summarize(h, res),
         })
@@ -206,6 +211,8 @@ def build_context(
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
         "mmlu": mmlu_table,
+        "zeroshot": [{**t, "id": anchor("zeroshot", t["model"], t["device"])}
+                     for t in zeroshot_tables(zs, windows, windows[next(iter(windows))])],
         "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
                        if k[0] == "plot_mmlu"],
         "chance": CHANCE,
