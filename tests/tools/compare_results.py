@@ -6,7 +6,8 @@ Each directory is a workflow's working directory; ``results/`` and ``resources/d
 Files must exist on both sides. Safetensors, adapters and every other file are compared byte for
 byte, except:
 - CSV files: columns whose name says they hold a time or a rate (``*_s``, ``*tokens_per_s*``,
-  ``elapsed``, ``time``...) are dropped, the rest must match exactly;
+  ``elapsed``, ``time``...), a peak memory measurement or a count of timed calls are dropped, the
+  rest must match exactly;
 - JSON files: keys naming a time, a date, a host or a library version are dropped at any depth, and
   lists of strings compare as sets (peft writes ``target_modules``, a set, in hash order);
 - logs, benchmark tables, plots (PNG/SVG: matplotlib embeds dates) and the HTML report are skipped.
@@ -27,7 +28,10 @@ SKIP = re.compile(r"(^|/)(logs|benchmarks|plots)/|\.(png|svg|pdf|html|log)$")
 VOLATILE = re.compile(
     r"(^|_)(s|sec|secs|seconds|time|elapsed|date|timestamp|when|host|hostname|wall|ms|us|version|versions|"
     r"tokens_per_s|tok_s|speed|throughput|spread|repeats_s|duration|started|finished|python|torch|transformers|"
-    r"lm_eval|platform|cpu_name|device_name|gpu|this_run)(_|$)|per_s|_s$",
+    r"lm_eval|platform|cpu_name|device_name|gpu|this_run)(_|$)|per_s|_s$"
+    # measured, not computed: a CPU run's peak resident set, how many calls fit a round's minimum time,
+    # and the ratio of two timings
+    r"|^peak_mem_bytes$|^prefill_calls$|^speedup(_min|_max)?$",
     re.I,
 )
 
