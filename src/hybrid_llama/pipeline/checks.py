@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from hybrid_llama.config import ConfigError
 from hybrid_llama.weights import known_architecture
 
+from .long_context import check_long_context
 from .paths import path
 
 if TYPE_CHECKING:  # views imports this module; the checks only read a Pipeline
@@ -64,6 +65,8 @@ def check_config(p: Pipeline) -> None:
     for v in p.variants:
         _check_training(p, v)
         _check_sparse_cache(p, v)
+
+    check_long_context(p)
 
 
 def _check_sparse_cache(p: Pipeline, v: str) -> None:
