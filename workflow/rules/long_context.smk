@@ -31,7 +31,11 @@ rule book_nll:
 rule niah:
     input:
         unpack(stage_inputs),
-        books=P.book_files() if "book" in config["quality"]["long_context"]["niah"]["haystacks"] else [],
+        books=(
+            P.book_files()
+            if "book" in config["quality"]["long_context"]["niah"]["haystacks"]
+            else []
+        ),
     output:
         path("stage_quality", kind="niah"),
     log:
