@@ -47,7 +47,8 @@ def test_gutenberg_boilerplate_is_cut():
             "Chapter 1\r\nOnce there was a fox.\r\n\r\n"
             "*** END OF THE PROJECT GUTENBERG EBOOK TINY TALE ***\r\nSection 1. General Terms of Use\r\n")
     assert B.strip_gutenberg(book) == "Chapter 1\nOnce there was a fox."
-    old = "Title: X\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nText.\nEnd of Project Gutenberg's X, by Y\nlicence"
+    old = ("Title: X\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nText.\n"
+           "End of Project Gutenberg's X, by Y\nlicence")
     assert B.strip_gutenberg(old) == "Text."
     assert B.strip_gutenberg("\n\nJust a text, no markers.\n") == "Just a text, no markers."
 

@@ -54,3 +54,27 @@ rule niah:
         dtype=config["quality"]["dtype"],
     script:
         "../scripts/niah.py"
+
+
+rule plot_long_context:
+    input:
+        books=lambda wildcards: P.book_tables(wildcards.model, wildcards.device),
+    output:
+        books=report(
+            path("plot_books_nll"),
+            caption="../report/books_nll.rst",
+            category="Quality",
+            labels={"model": "{model}", "device": "{device}", "plot": "books NLL"},
+        ),
+        books_svg=svg(path("plot_books_nll")),
+    log:
+        log_of("plots/{model}/long_context_{device}"),
+    benchmark:
+        benchmark_of("plots/{model}/long_context_{device}")
+    conda:
+        "../../envs/report.yaml"
+    params:
+        windows={v: P.hybrid(v)["window"] for v in VARIANTS},
+        heldout=config["data"]["books"]["heldout"],
+    script:
+        "../scripts/plot_long_context.py"

@@ -83,6 +83,7 @@ PATHS: dict[str, str] = {
     "plot_nll": "results/plots/{model}/nll_{device}.png",
     "plot_passkey": "results/plots/{model}/passkey_{device}.png",
     "plot_components": "results/plots/{model}/components_{device}.png",
+    "plot_books_nll": "results/plots/{model}/books_nll_{device}.png",
     "plot_transfer_loss": "results/plots/{model}/{variant}/transfer_loss.png",
     "plot_lora_loss": "results/plots/{model}/{variant}/lora_loss.png",
     "report": "results/report.html",
