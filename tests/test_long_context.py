@@ -151,7 +151,10 @@ def test_niah_prompt_holds_every_needle_once(byte_tok, haystack):
         assert t["needle_distance"] == 900 - end
     assert len({tuple(t["prompt"]) for t in trials}) == 4  # each trial its own keys and haystack
     if haystack == "book":
-        assert "stormy night" in byte_tok.decode(trials[0]["prompt"])
+        text = byte_tok.decode(trials[0]["prompt"], skip_special_tokens=True)
+        assert "stormy night" in text
+        # each needle starts a sentence of its own (snapped to the next sentence start of the haystack)
+        assert len(re.findall(r"\. The special magic number for \w+ is \d+\.", text)) == 5
     with pytest.raises(ValueError, match="cannot fit"):
         N.niah_trials(byte_tok, context_len=150, trials=1, n_keys=5, haystack=haystack, book_ids=book)
 

@@ -58,12 +58,27 @@ def haystack_ids(tokenizer, kind: str, n_tokens: int, seed: int, book_ids: Seque
     return list(book_ids[start : start + n_tokens])
 
 
+def sentence_starts(tokenizer, ids: Sequence[int]) -> list[int]:
+    """Positions in ``ids`` right after a token that ends a sentence or a line: where a needle reads
+    as a sentence of its own."""
+    ends = tuple(".!?\n")
+    return [i + 1 for i, t in enumerate(ids) if tokenizer.decode([t]).rstrip(" ").endswith(ends)]
+
+
+def _snap(cut: int, starts: Sequence[int], n: int) -> int:
+    """The first sentence start at or after ``cut`` (the last one before it when none follows)."""
+    after = [b for b in starts if cut <= b <= n]
+    before = [b for b in starts if b <= min(cut, n)]
+    return after[0] if after else before[-1] if before else cut
+
+
 def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str, str]], depths: Sequence[float],
-                     query: int, haystack: Sequence[int]) -> tuple[list[int], tuple[int, int]]:
+                     query: int, haystack: Sequence[int], snap: bool = True) -> tuple[list[int], tuple[int, int]]:
     """A prompt of exactly ``context_len`` tokens: [BOS] intro, the haystack with needle i inserted
-    at ``depths[i]`` of it (a share of the haystack before it), then the question about
-    ``needles[query]``. Returns (ids, (start, end)) with ids[start:end] the queried needle's tokens.
-    Raises ValueError when the fixed parts do not fit; ``haystack`` must hold at least the rest."""
+    at ``depths[i]`` of it (a share of the haystack before it; with ``snap``, moved to the next
+    sentence start), then the question about ``needles[query]``. Returns (ids, (start, end)) with
+    ids[start:end] the queried needle's tokens. Raises ValueError when the fixed parts do not fit;
+    ``haystack`` must hold at least the rest."""
     head = _special_prefix(tokenizer) + _encode(tokenizer, NIAH_INTRO)
     pieces = [_encode(tokenizer, needle_text(k, v)) for k, v in needles]
     question = _encode(tokenizer, question_text(needles[query][0]))
@@ -75,6 +90,9 @@ def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str
     if len(hay) < n_hay:
         raise ValueError(f"haystack has {len(haystack)} tokens, the prompt needs {n_hay}")
     cuts = [round(float(d) * n_hay) for d in depths]
+    if snap:
+        starts = sentence_starts(tokenizer, hay)
+        cuts = [_snap(c, starts, n_hay) for c in cuts]
     ids, pos, span = list(head), 0, (0, 0)
     for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i)):
         ids += hay[pos : cuts[i]]
