@@ -439,7 +439,7 @@ def test_whole_dag_outputs(built):
     assert passkey and all(int(line.split(",")[1]) < long for line in passkey)
     niah = (wf / f"results/{M}/{L}/quality/{D}/niah.csv").read_text().splitlines()[1:]
     assert {(line.split(",")[1], int(line.split(",")[2])) for line in niah if line.startswith("transfer_lora,")} == {
-        (h, n) for h in ("filler", "book") for n in (256, 1024)}
+        (h, n) for h in ("filler", "book") for n in cfg["quality"]["long_context"]["niah"]["context_lens"]}
     assert 'class="recommended"' in html and "Recommended: lc16" in html
 
 
