@@ -22,7 +22,7 @@ from snakemake.utils import validate
 from hybrid_llama import pipeline
 from hybrid_llama.eval.tables import wilson_interval
 from hybrid_llama.pipeline import path
-from hybrid_llama.report import plots, quality_plots
+from hybrid_llama.report import long_context_plots, plots, quality_plots
 from hybrid_llama.report.formatting import plus_minus
 from hybrid_llama.report.html import write_report
 
@@ -73,6 +73,20 @@ SPEED = {
 }
 CACHE = {"base": [64 * 4096.0, 256 * 4096.0, 1024 * 4096.0], "w16/hybrid_chunked": [90000.0] * 3,
          "lc16/hybrid_chunked": [120000.0] * 3, "lc16/hybrid_seed_naive": [120000.0] * 3}
+# The long length: base and the recommended variant (lc16 in config/test.yaml) only, 2 rounds.
+LONG = 4096
+LONG_SPEED = {("base", "prefill"): 600.0, ("base", "decode"): 60.0, ("lc16/hybrid_chunked", "prefill"): 1500.0,
+              ("lc16/hybrid_chunked", "decode"): 240.0}
+LONG_CACHE = {"base": LONG * 4096.0, "lc16/hybrid_chunked": 120000.0}
+# NLL on the held-out books: base and lc16 to the long length, the others short only; per window
+BOOK_CONTEXTS = (16, 64, 1024)
+BOOK_BASE = {16: [3.5, 3.1, 3.3], 64: [3.2, 2.9, 3.0], 1024: [2.9, 2.6, 2.8]}
+BOOK_OFFSET = {("lc16", "transfer"): 0.3, ("lc16", "transfer_lora"): 0.2, ("w16", "transfer"): 0.6,
+               ("w16", "transfer_lora"): 0.5, ("base_lora", "base_lora"): 0.01, ("win16", "converted"): 0.8}
+BOOK_WOBBLE = [0.02, -0.03, 0.0]
+# The multi-key needles: (haystack, context) -> hits of 4 trials, lc16 only (its niah table)
+NIAH = {("lc16", "transfer"): {("book", 256): 2, ("book", 1024): 1, ("filler", 256): 3, ("filler", 1024): 2},
+        ("lc16", "transfer_lora"): {("book", 256): 3, ("book", 1024): 2, ("filler", 256): 4, ("filler", 1024): 3}}
 MMLU_CORRECT = {("base", "base"): range(20), ("base_lora", "base_lora"): range(21),
                 ("w16", "transfer"): range(25), ("w16", "transfer_lora"): range(30),
                 ("lc16", "transfer"): range(19), ("lc16", "transfer_lora"): range(18),
@@ -86,6 +100,12 @@ def window_nlls(slot: str, stage: str, L: int) -> list[float]:
         return BASE_NLL[L]
     return [b + OFFSET[slot, stage][L] + (w if slot != "base_lora" else 0.0) * (L > 16)
             for b, w in zip(BASE_NLL[L], WOBBLE)]
+
+
+def book_nlls(slot: str, stage: str, L: int) -> list[float]:
+    if slot == "base":
+        return BOOK_BASE[L]
+    return [b + BOOK_OFFSET[slot, stage] * (L > 16) + w for b, w in zip(BOOK_BASE[L], BOOK_WOBBLE)]
 
 
 def dag_config() -> dict:
@@ -162,6 +182,24 @@ def make_results(root: Path) -> dict:
     def stem(name: str) -> Path:
         return root / path(name, model=M, device=D).removesuffix(".png")
 
+    # the long-context tables: books for every variant (lc16 to the long length), needles for lc16
+    book_tables = {}
+    for variant in ("w16", "lc16", "win16"):
+        rows = [[stage, L, statistics.fmean(book_nlls(slot, stage, L)), 0, 24,
+                 " ".join(repr(x) for x in book_nlls(slot, stage, L))]
+                for slot, stage in _variant_stages(variant) for L in BOOK_CONTEXTS
+                if L < 1024 or slot in ("base", "lc16")]
+        f = _csv(root / path("quality", model=M, variant=variant, device=D, kind="books"),
+                 ["stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls"], rows)
+        quality.append(f)
+        book_tables[variant] = f
+    niah = [[stage, hay, L, t, 3, (t + 0.5) / 4, "apple", "1234567", L - 10 * (t + 1) * (L // 256), "", "",
+             float(t < hits), 1]
+            for (slot, stage), cells in NIAH.items() for (hay, L), hits in cells.items() for t in range(4)]
+    quality.append(_csv(root / path("quality", model=M, variant="lc16", device=D, kind="niah"),
+                        ["stage", "haystack", "context_len", "trial", "n_keys", "depth", "key", "value",
+                         "needle_distance", "answer", "answered_key", "accuracy", "n"], niah))
+
     windows = {"w16": 16, "lc16": 16, "win16": 16}
     plot_files += quality_plots.plot_nll({v: read_perplexity_csv(f) for v, f in tables["perplexity"].items()},
                                          stem("plot_nll"), title="NLL", windows=windows)[:1]
@@ -169,6 +207,8 @@ def make_results(root: Path) -> dict:
                                              stem("plot_passkey"), title="passkey", windows=windows)[:1]
     plot_files += quality_plots.plot_components({v: read_components_csv(f) for v, f in tables["components"].items()},
                                                 stem("plot_components"), title="components")[:1]
+    plot_files += long_context_plots.plot_books_nll({v: read_perplexity_csv(f) for v, f in book_tables.items()},
+                                                    stem("plot_books_nll"), title="books", windows=windows)[:1]
 
     header = ["variant", "backend", "phase", "seq_len", "batch", "tokens_per_s", "s_per_token", "time_s",
               "peak_mem_bytes", "cache_bytes", "mem_method", "device", "device_name", "dtype", "status"]
@@ -178,6 +218,10 @@ def make_results(root: Path) -> dict:
         for L, tps, cache in zip(SEQ_LENS, values, CACHE[label]):
             rows.append([label, backend, phase, L, 1, tps, 1 / tps, L / tps, 5e8 + L * 1e4, cache, "rss_hwm", D,
                          "Fixture CPU", "float32", "ok"])
+        if (label, phase) in LONG_SPEED:
+            tps = LONG_SPEED[label, phase]
+            rows.append([label, backend, phase, LONG, 1, tps, 1 / tps, LONG / tps, 5e8 + LONG * 1e4, LONG_CACHE[label],
+                         "rss_hwm", D, "Fixture CPU", "float32", "ok"])
     throughput = _csv(root / path("throughput", model=M, device=D), header, rows)
     plot_files += plots.plot_throughput(throughput, stem("plot_throughput"))[:1]
     plot_files += plots.plot_memory(throughput, stem("plot_memory"))[:1]
@@ -292,11 +336,12 @@ def test_report_is_self_contained(report):
     assert sorted(hrefs) == sorted(h for pair in links.values() for h in pair)
     assert all((report.parent / h).exists() for h in hrefs)
     assert "<link" not in html and "<script" not in html
-    assert html.count("data:image/png;base64,") == 6  # nll, passkey, components, throughput, memory, mmlu
+    assert html.count("data:image/png;base64,") == 7  # nll, passkey, components, books, throughput, memory, mmlu
     assert " Paris &lt;b&gt;" in html  # text from results is escaped, not interpreted
     for table in ('id="mmlu-table"', 'class="mmlu-subject-table"', 'class="perplexity-table"', 'class="passkey-table"',
                   'class="components-table"', 'class="throughput-table"', 'class="memory-table"',
-                  'class="transfer-table"', 'class="lora-table"', 'class="generations-table"', 'id="variants-table"'):
+                  'class="transfer-table"', 'class="lora-table"', 'class="generations-table"', 'id="variants-table"',
+                  'class="books-table"', 'class="niah-table"', 'class="recommended"'):
         assert table in html, table
 
 
@@ -379,6 +424,72 @@ def test_summary_is_short_and_follows_the_numbers(report):
     cross = 256 * 4 ** (-math.log(r0) / (math.log(r1) - math.log(r0)))
     assert f"decodes at {r1:.2f}× (faster than base from about {cross:,.0f} tokens)" in text
     assert "gain from longer context" not in text and "keeps -" not in text
+
+
+def recommended_block(html: str) -> dict[str, str]:
+    """{label: text} of the recommended variant's block under the headline."""
+    table = re.search(r'<table class="recommended">(.*?)</table>', html, re.DOTALL).group(1)
+    return {htmllib.unescape(k): htmllib.unescape(re.sub(r"<[^>]+>", "", v))
+            for k, v in re.findall(r'<th class="l">(.*?)</th><td[^>]*>(.*?)</td>', table)}
+
+
+def test_recommended_block_quotes_the_long_context_numbers(report):
+    from hybrid_llama.report.results import crossover
+
+    html = report.read_text()
+    assert "Recommended: lc16 at long contexts" in html  # config/test.yaml: recommended: lc16
+    block = recommended_block(html)
+    for L in BOOK_CONTEXTS:  # its three longest books lengths, paired with base over the same windows
+        diff, se = paired(book_nlls("lc16", "transfer_lora", L), BOOK_BASE[L])
+        text = block[f"NLL gap to base on the held-out books at {L}"].removesuffix(" nats")
+        got, got_se = value_and_se(text)
+        assert abs(got - diff) <= decimals(text) + 1e-9 and abs(got_se - se) <= decimals(text) + 1e-9, (L, text)
+    # passkey from the long length on (from_len 1024 in config/test.yaml); the fixture has no needle distances
+    found = sum(round(5 * a) for (L, _), a in PASSKEY["lc16", "transfer_lora"].items() if L == 1024)
+    lo, hi = wilson_interval(found, 10)
+    assert block["passkey at 1024"] == f"{found / 10:.0%} ({found}/10, {lo:.0%}–{hi:.0%})"
+    for (hay, L), hits in NIAH["lc16", "transfer_lora"].items():
+        lo, hi = wilson_interval(hits, 4)
+        assert block[f"multi-key needles ({hay} haystack) at {L}"] == f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})"
+    # speed and cache at the long length, timed for base and lc16 only; the decode ratio crosses 1
+    # between 256 tokens (260/300) and 1024 (the faster backend: 240/150)
+    for phase in ("prefill", "decode"):
+        ratio = LONG_SPEED["lc16/hybrid_chunked", phase] / LONG_SPEED["base", phase]
+        assert block[f"{phase} at {LONG} tokens"].startswith(f"{ratio:.2f}× base"), block
+    best = [max(SPEED[f"lc16/hybrid_{b}", "decode"][i] for b in ("chunked", "seed_naive")) for i in range(3)]
+    decode = [x / SPEED["base", "decode"][i] for i, x in enumerate(best)]
+    decode.append(LONG_SPEED["lc16/hybrid_chunked", "decode"] / LONG_SPEED["base", "decode"])
+    cross = crossover([*SEQ_LENS, LONG], decode)
+    assert 256 < cross < 1024
+    assert f"faster than base from about {cross:,.0f} tokens" in block[f"decode at {LONG} tokens"]
+    assert block[f"cache at {LONG} tokens"] == f"{LONG_CACHE['lc16/hybrid_chunked'] / LONG_CACHE['base']:.0%} of base's"
+    # the headline's own speed columns stay at the longest length every variant was timed at
+    assert f"vs base at {SEQ_LENS[-1]} tokens" in html
+
+
+def test_books_and_needle_sections_render_the_fixture_tables(report):
+    html = report.read_text()
+    books = re.search(r'<table class="books-table">(.*?)</table>', html, re.DOTALL).group(1)
+    header = [htmllib.unescape(h) for h in re.findall(r"<th>(.*?)</th>", books)]
+    rows = {int(r[0]): r[1:] for r in (re.findall(r"<td>(.*?)</td>", row)
+                                       for row in re.findall(r"<tr>(.*?)</tr>", books)) if r}
+    assert sorted(rows) == list(BOOK_CONTEXTS)
+    col = header.index("lc16 · after transfer + LoRA") - 1
+    mine = book_nlls("lc16", "transfer_lora", 1024)
+    diff, se = paired(mine, BOOK_BASE[1024])
+    assert rows[1024][col] == f"{statistics.fmean(mine):.3f} ({plus_minus(diff, se)})"
+    assert rows[1024][header.index("w16 · after transfer + LoRA") - 1] == ""  # the long length: base and lc16 only
+    assert rows[1024][header.index("base") - 1] == f"{statistics.fmean(BOOK_BASE[1024]):.3f}"
+    assert "Held-out books" in html and "Held-out NLL on fineweb-edu" in html  # each curve names its corpus
+    niah = re.search(r'<table class="niah-table">(.*?)</table>', html, re.DOTALL).group(1)
+    cells = {(r[0], int(r[1])): r[2:] for r in (re.findall(r"<td[^>]*>(.*?)</td>", row)
+                                                 for row in re.findall(r"<tr>(.*?)</tr>", niah)) if r}
+    assert sorted(cells) == sorted(NIAH["lc16", "transfer"])
+    hits = NIAH["lc16", "transfer"]["book", 1024]
+    lo, hi = wilson_interval(hits, 4)
+    assert htmllib.unescape(cells["book", 1024][0]).startswith(f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})")
+    # the fixture's distances put every needle at 1024 beyond the window: counted apart, the same trials
+    assert "; beyond the window: " in htmllib.unescape(cells["book", 1024][0])
 
 
 def test_deleted_result_file_reads_not_measured(fixture_root, tmp_path):

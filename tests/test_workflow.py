@@ -258,6 +258,8 @@ def test_good_test_config_dry_run(wf_copy):
     # base, base_lora once; w16 and lc16 at transfer and transfer_lora; the control win16 only converted
     assert rules.count("mmlu") == 7  # one format (mc), one shot count
     assert rules.count("perplexity") == rules.count("passkey") == rules.count("generations") == 7
+    # every stage scores the books' and the needles' short lengths; the long ones only some (same jobs)
+    assert rules.count("book_nll") == rules.count("niah") == 7 and rules.count("plot_long_context") == 1
     assert rules.count("components") == 5  # hybrid stages only
     assert rules.count("transfer") == rules.count("lora") == 2 and rules.count("transfer_data") == 2
     # the trained variants' final stages are exported; the untrained control is not
@@ -327,6 +329,8 @@ def _stage_jobs(slot: str, stage: str, fmts=("mc",), shots=(0,)) -> set:
     jobs |= {
         ("perplexity", f"results/{M}/{slot}/quality/{D}/{stage}/perplexity.csv"),
         ("passkey", f"results/{M}/{slot}/quality/{D}/{stage}/passkey.csv"),
+        ("book_nll", f"results/{M}/{slot}/quality/{D}/{stage}/books.csv"),
+        ("niah", f"results/{M}/{slot}/quality/{D}/{stage}/niah.csv"),
         ("generations", f"results/{M}/{slot}/generations/{stage}.json"),
     }
     if slot in SLOTS:
@@ -334,10 +338,13 @@ def _stage_jobs(slot: str, stage: str, fmts=("mc",), shots=(0,)) -> set:
     return jobs
 
 
-def _tables(variant: str, kinds=("perplexity", "passkey", "components")) -> set:
-    """A variant's quality tables and the quality plot job (one per model and device, reading every table)."""
+def _tables(variant: str, kinds=("perplexity", "passkey", "components", "books", "niah")) -> set:
+    """A variant's quality tables and the quality plot jobs (one per model and device, reading every table)."""
     jobs = {("quality_table", f"results/{M}/{variant}/quality/{D}/{k}.csv") for k in kinds}
-    jobs.add(("plot_quality", f"results/plots/{M}/nll_{D}.png"))
+    if set(kinds) & {"perplexity", "passkey", "components"}:
+        jobs.add(("plot_quality", f"results/plots/{M}/nll_{D}.png"))
+    if "books" in kinds:
+        jobs.add(("plot_long_context", f"results/plots/{M}/books_nll_{D}.png"))
     return jobs
 
 
@@ -381,7 +388,7 @@ def test_dag_report_headline_is_above_the_fold(built, tmp_path):
 
 @pytest.mark.slow
 def test_whole_dag_outputs(built):
-    wf, _, seconds = built
+    wf, cfg, seconds = built
     html = (wf / "results" / "report.html").read_text()
     assert 'id="mmlu-table"' in html and "data:image/png;base64," in html
     for rel in (
@@ -395,6 +402,9 @@ def test_whole_dag_outputs(built):
         f"results/{M}/{V}/quality/{D}/perplexity.csv",
         f"results/{M}/{V}/quality/{D}/passkey.csv",
         f"results/{M}/{L}/quality/{D}/components.csv",
+        f"results/{M}/{L}/quality/{D}/books.csv",
+        f"results/{M}/{L}/quality/{D}/niah.csv",
+        f"results/plots/{M}/books_nll_{D}.png",
         f"results/{M}/throughput/{D}.csv",
         "resources/data/transfer/tiny/L64_N2048.json",
         "resources/data/transfer/tiny/L128_N1024.json",
@@ -415,9 +425,25 @@ def test_whole_dag_outputs(built):
     # the window-only control's share of the normalizer is the window's, entirely
     shares = (wf / f"results/{M}/{C}/quality/{D}/components.csv").read_text().splitlines()[1:]
     assert shares and all(float(line.split(",")[3]) == 1.0 for line in shares)
-    # throughput measures the trained variants, not the control
-    variants = {line.split(",")[0] for line in (wf / f"results/{M}/throughput/{D}.csv").read_text().splitlines()[1:]}
-    assert variants == {"base", f"{V}/hybrid_chunked", f"{L}/hybrid_chunked"}
+    # throughput measures the trained variants, not the control; the longest length base and the
+    # recommended variant (lc16) only
+    lines = [line.split(",") for line in (wf / f"results/{M}/throughput/{D}.csv").read_text().splitlines()]
+    rows = [dict(zip(lines[0], line)) for line in lines[1:]]
+    assert {r["variant"] for r in rows} == {"base", f"{V}/hybrid_chunked", f"{L}/hybrid_chunked"}
+    longest = str(max(cfg["throughput"]["seq_lens"]))
+    assert {r["variant"] for r in rows if r["seq_len"] == longest and r["status"] == "ok"} == {
+        "base", f"{L}/hybrid_chunked"}
+    # the long lengths of the books and the passkey: base and lc16 (books), lc16 alone (passkey)
+    books = (wf / f"results/{M}/{L}/quality/{D}/books.csv").read_text().splitlines()[1:]
+    long = cfg["quality"]["long_context"]["from_len"]
+    assert {line.split(",")[0] for line in books if int(line.split(",")[1]) >= long} == {
+        "base", "transfer", "transfer_lora"}
+    passkey = (wf / f"results/{M}/{V}/quality/{D}/passkey.csv").read_text().splitlines()[1:]
+    assert passkey and all(int(line.split(",")[1]) < long for line in passkey)
+    niah = (wf / f"results/{M}/{L}/quality/{D}/niah.csv").read_text().splitlines()[1:]
+    assert {(line.split(",")[1], int(line.split(",")[2])) for line in niah if line.startswith("transfer_lora,")} == {
+        (h, n) for h in ("filler", "book") for n in cfg["quality"]["long_context"]["niah"]["context_lens"]}
+    assert 'class="recommended"' in html and "Recommended: lc16" in html
 
 
 # A fresh process: load an exported directory through the Auto classes (after `import hybrid_llama`
@@ -531,7 +557,7 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
         # every variant's perplexity and passkey tables hold the base_lora control's rows
         | _tables(V)
         | _tables(L)
-        | _tables(C, ("perplexity", "passkey"))
+        | _tables(C, ("perplexity", "passkey", "books", "niah"))
         | _exports(V, L)
         | REPORT
     )

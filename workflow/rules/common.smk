@@ -42,6 +42,7 @@ def environment(**values: str):
 with environment(HYBRID_LLAMA_REGISTER="0"):
     from hybrid_llama.config import ConfigError, canonical  # noqa: E402
     from hybrid_llama.pipeline import Pipeline, is_cuda, path  # noqa: E402
+    from hybrid_llama.pipeline import long_context  # noqa: E402
 
 try:
     P = Pipeline(config, Path(workflow.basedir))

@@ -47,7 +47,8 @@ rule passkey:
         gpu=gpu_of_device,
     params:
         hybrid=stage_hybrid,
-        passkey=P.section("quality", "passkey"),
+        # the long lengths only for the slots of quality.long_context.slots.passkey
+        passkey=lambda wildcards: P.quality_settings("passkey", wildcards.variant),
         dtype=config["quality"]["dtype"],
     script:
         "../scripts/passkey.py"
@@ -94,7 +95,7 @@ rule quality_table:
         benchmark_of("quality_table/{model}/{variant}/{device}/{kind}")
     wildcard_constraints:
         variant="|".join(VARIANTS),
-        kind="perplexity|passkey|components",
+        kind="perplexity|passkey|components|books|niah",
     conda:
         "../../envs/report.yaml"
     script:

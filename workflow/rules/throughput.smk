@@ -20,5 +20,7 @@ rule throughput:
     params:
         hybrids={v: P.hybrid(v) for v in P.throughput_variants()},
         throughput=P.section("throughput"),
+        # the variants timed at the long lengths, 'recommended' resolved
+        long=long_context.throughput_long(P),
     script:
         "../scripts/throughput.py"

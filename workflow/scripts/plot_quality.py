@@ -19,7 +19,7 @@ def by_variant(files, reader) -> dict:
 windows = snakemake.params.windows
 where = f"{w.model} on {w.device}"
 plot_nll(by_variant(inp.perplexity, read_perplexity_csv), out.nll.removesuffix(".png"),
-         title=f"Held-out NLL vs context: {where}", windows=windows)
+         title=f"Held-out fineweb-edu NLL vs context: {where}", windows=windows)
 plot_passkey(by_variant(inp.passkey, read_passkey_csv), out.passkey.removesuffix(".png"),
              title=f"Passkey retrieval vs context: {where}", windows=windows)
 plot_components(by_variant(inp.components, read_components_csv), out.components.removesuffix(".png"),

@@ -28,6 +28,11 @@ for name, hybrid in snakemake.params.hybrids.items():
             variants[f"{name}/{label}"] = make
         else:
             same_as[f"{name}/{label}"] = f"{twin}/{label}"
+# Long prompts: base and the listed variants only (each under the label its twin is measured as).
+long = snakemake.params.long
+long_labels = {label for label in variants if label.split("/", 1)[0] in {
+    first_with[repr(sorted(dict(snakemake.params.hybrids[v]).items()))] for v in long["variants"]
+    if v in snakemake.params.hybrids}}
 frame = measure_throughput(
     variants,
     seq_lens=cfg["seq_lens"],
@@ -40,6 +45,10 @@ frame = measure_throughput(
     batch=cfg["batch"],
     time_budget_s=cfg["time_budget_s"],
     seed=cfg["seed"],
+    long_from=long["from_len"],
+    long_repeats=long["repeats"],
+    long_warmup=long["warmup"],
+    long_variants=long_labels,
 )
 frame = share_measurements(frame, same_as)
 write_csv(frame, snakemake.output[0])

@@ -69,10 +69,19 @@ def heldout_texts(
 
 def token_stream(tokenizer, texts: Iterable[str]) -> list[int]:
     """Documents tokenized without special tokens and joined as doc EOS doc EOS ..."""
+    return token_stream_spans(tokenizer, texts)[0]
+
+
+def token_stream_spans(tokenizer, texts: Iterable[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """``token_stream`` and each document's ``(start, end)`` in it (its EOS excluded): windows that
+    must stay inside one document (a book) are cut within these spans."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
+    spans: list[tuple[int, int]] = []
     for text in texts:
+        start = len(ids)
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        spans.append((start, len(ids)))
         if eos is not None:
             ids.append(eos)
-    return ids
+    return ids, spans

@@ -234,22 +234,24 @@ def passkey_accuracy(
 
     ``generate_trials``: the first this many trials of the shortest length are also scored by
     greedy generation with the cache (``key_found`` in the continuation), rows with method
-    ``generate``: the check that the cheap score reads what generation does. Lengths whose prompt +
-    answer exceed max_position_embeddings, or too short for the fixed prompt parts, are skipped
-    with a warning (no row)."""
+    ``generate``: the check that the cheap score reads what generation does. A length up to the
+    model's positions whose prompt + answer would not fit takes a prompt shortened by the answer
+    (``fitted_length``; the rows keep the nominal length); longer lengths, or lengths too short for
+    the fixed prompt parts, are skipped with a warning (no row)."""
     dev = place_model(model, device, dtype)
     limit = max_positions(model)
+    new_tokens = len(passkey_parts(tokenizer, 99999)["key"]) + 3  # the key plus slack for punctuation
     rows = []
     with eval_mode(model):
         for i, L in enumerate(sorted(int(x) for x in context_lens)):
+            n = fitted_length(L, limit, new_tokens)
+            if n is None:
+                warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}", stacklevel=2)
+                continue
             try:
-                cell = needle_trials(tokenizer, context_len=L, trials=trials, seed=seed, depths=depths)
+                cell = needle_trials(tokenizer, context_len=n, trials=trials, seed=seed, depths=depths)
             except ValueError as e:
                 warnings.warn(f"passkey: skipping context {L}: {e}", stacklevel=2)
-                continue
-            new_tokens = max(len(t["answer"]) for t in cell) + 3  # the key plus slack for punctuation
-            if limit is not None and L + new_tokens > limit:
-                warnings.warn(f"passkey: skipping context {L}: above max_position_embeddings {limit}", stacklevel=2)
                 continue
             for t in cell:
                 hit, shares = teacher_forced_hit(model, t, dev)
@@ -259,6 +261,16 @@ def passkey_accuracy(
                                    batch_size=batch_size, device=dev)
                 rows.append(_row(stage, L, t, bool(hit), "generate", []))
     return rows
+
+
+def fitted_length(context_len: int, limit: int | None, answer_tokens: int) -> int | None:
+    """The prompt length that stands for ``context_len``: itself, or, when the prompt and its answer
+    would run past the model's ``limit`` positions, shortened by the answer so both fit (a prompt of
+    8184 tokens stands for 8192 in a model of 8192 positions). None when ``context_len`` exceeds
+    ``limit`` itself."""
+    if limit is None or context_len + answer_tokens <= limit:
+        return context_len
+    return limit - answer_tokens if context_len <= limit else None
 
 
 def _row(stage: str, L: int, trial: dict, hit: bool, method: str, shares: list[float]) -> dict:

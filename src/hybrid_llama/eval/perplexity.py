@@ -12,19 +12,22 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_llama.eval.heldout import token_stream
+from hybrid_llama.eval.heldout import token_stream_spans
 from hybrid_llama.eval.placement import eval_mode, max_positions, place_model
 
 
-def window_ends(n_stream: int, longest: int, tail: int, max_windows: int | None) -> list[int]:
+def window_ends(n_stream: int, longest: int, tail: int, max_windows: int | None,
+                documents: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """End positions (exclusive) shared by all context lengths; scored tails never overlap.
 
-    Candidates are longest, longest+tail, ... <= n_stream; `max_windows` of them are taken evenly
-    spread over the stream so a capped run still samples the whole held-out slice.
+    Candidates are longest, longest+tail, ... <= n_stream (with ``documents``, the same inside each
+    ``(start, end)`` span, so a window never crosses from one document into the next); `max_windows`
+    of them are taken evenly spread over the stream so a capped run still samples the whole held-out slice.
     """
-    if n_stream < longest:
+    spans = documents if documents is not None else [(0, n_stream)]
+    candidates = [e for a, b in spans for e in range(a + longest, min(b, n_stream) + 1, tail)]
+    if not candidates:
         return []
-    candidates = list(range(longest, n_stream + 1, tail))
     if max_windows is None or max_windows >= len(candidates):
         return candidates
     if max_windows <= 1:
@@ -35,18 +38,21 @@ def window_ends(n_stream: int, longest: int, tail: int, max_windows: int | None)
 
 def perplexity_windows(
     n_stream: int, context_lens: Sequence[int], *, tail: int = 64, max_windows: int | None = 32,
-    max_len: int | None = None,
+    max_len: int | None = None, documents: Sequence[tuple[int, int]] | None = None,
 ) -> dict[int, list[tuple[int, int]]]:
     """{L: [(start, end), ...]} stream slices of exactly L tokens scored by perplexity_vs_context.
 
-    Lengths above `max_len` (the model's positions) or the stream are dropped. All lengths share the
-    end positions chosen for the longest one, so they score the same target tokens.
+    Lengths above `max_len` (the model's positions) or the stream (or, with ``documents``, the
+    longest document) are dropped. All lengths share the end positions chosen for the longest one,
+    so they score the same target tokens.
     """
     limit = min(max_len or n_stream, n_stream)
+    if documents is not None:
+        limit = min(limit, max((b - a for a, b in documents), default=0))
     lens = sorted({int(L) for L in context_lens if 2 <= int(L) <= limit})
     if not lens:
         return {}
-    ends = window_ends(n_stream, lens[-1], tail, max_windows)
+    ends = window_ends(n_stream, lens[-1], tail, max_windows, documents)
     return {L: [(e - L, e) for e in ends] for L in lens}
 
 
@@ -71,6 +77,7 @@ def perplexity_vs_context(
     stage: str,
     max_windows: int | None = 32,
     batch_size: int = 1,
+    within_documents: bool = False,
 ) -> list[dict]:
     """Mean NLL over the last `tail` tokens of windows of exactly L tokens, for each L.
 
@@ -78,13 +85,14 @@ def perplexity_vs_context(
     perplexity_windows (at most `max_windows` per length, the same targets at every length).
     Lengths above the model's max_position_embeddings or the stream are skipped. At L <= tail only
     the last L-1 tokens can be scored (a window's first token has no context); n_tokens counts
-    the scored tokens. The model is moved only if device/dtype are given.
+    the scored tokens. The model is moved only if device/dtype are given. ``within_documents``: every
+    window lies inside one of the texts (long documents such as books), never across two.
     Rows: {stage, context_len, nll, ppl, n_tokens, window_nlls (each window's mean NLL)}.
     """
     dev = place_model(model, device, dtype)
-    stream = token_stream(tokenizer, texts)
+    stream, spans = token_stream_spans(tokenizer, texts)
     windows = perplexity_windows(len(stream), context_lens, tail=tail, max_windows=max_windows,
-                                 max_len=max_positions(model))
+                                 max_len=max_positions(model), documents=spans if within_documents else None)
     ids = torch.tensor(stream, dtype=torch.long)
     rows = []
     with eval_mode(model):

@@ -1,7 +1,7 @@
 """The evaluations' result tables and the statistics read off them, shared by every eval and the report.
 
 - CSV: ``write_rows`` / ``read_rows`` and, per kind of quality table, its columns, writer and reader
-  (``perplexity.csv``, ``passkey.csv``, ``components.csv``).
+  (``perplexity.csv``, ``passkey.csv``, ``components.csv``, ``books.csv``, ``niah.csv``).
 - Paired statistics: ``paired_difference`` (MMLU accuracy of two results over the same questions; its
   arithmetic is ``paired_scores``, for any two {item: score} maps, as the zero-shot suite's) and
   ``paired_nll_difference`` (NLL of two stages over the same windows). Two models scored on the same
@@ -26,6 +26,9 @@ PASSKEY_COLUMNS = ("stage", "context_len", "trial", "depth", "key", "needle_dist
                    "needle_in_cache", "needle_in_cache_layers")
 BEYOND_WINDOW = 128  # needles further than this before the question are outside any window + pending block
 COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries", "cache_share")
+# Multi-key needle in a haystack (eval/niah.py): one row per trial, scored by generation.
+NIAH_COLUMNS = ("stage", "haystack", "context_len", "trial", "n_keys", "depth", "key", "value", "needle_distance",
+                "answer", "answered_key", "accuracy", "n")
 
 
 # --------------------------------------------------------------------------- CSV
@@ -114,11 +117,30 @@ def read_components_csv(path: str | Path) -> list[dict]:
                             "n_queries": int, "cache_share": float})
 
 
-# the quality tables by kind (the workflow's {kind} wildcard)
+def write_niah_csv(rows: Iterable[dict], path: str | Path) -> Path:
+    """niah.csv: one row per trial and haystack (``NIAH_COLUMNS``); accuracy is 0 or 1."""
+    return write_rows(rows, path, NIAH_COLUMNS)
+
+
+def read_niah_csv(path: str | Path) -> list[dict]:
+    return read_rows(path, {"context_len": int, "trial": int, "n_keys": int, "depth": float,
+                            "needle_distance": int, "accuracy": float, "n": int})
+
+
+def niah_summary(rows: list[dict], context_len: int, *, haystack: str | None = None,
+                 beyond: int | None = None) -> dict | None:
+    """``passkey_summary`` of the multi-key needle trials at ``context_len`` (of one ``haystack``
+    when given, else all); None without trials."""
+    cells = [r for r in rows if haystack is None or r.get("haystack") == haystack]
+    return passkey_summary(cells, context_len, beyond=beyond)
+
+
+# the quality tables by kind (the workflow's {kind} wildcard); "books" is NLL vs context on the
+# held-out books, in the perplexity table's format
 QUALITY_WRITERS = {"perplexity": write_perplexity_csv, "passkey": write_passkey_csv,
-                   "components": write_components_csv}
+                   "components": write_components_csv, "books": write_perplexity_csv, "niah": write_niah_csv}
 QUALITY_READERS = {"perplexity": read_perplexity_csv, "passkey": read_passkey_csv,
-                   "components": read_components_csv}
+                   "components": read_components_csv, "books": read_perplexity_csv, "niah": read_niah_csv}
 
 
 # --------------------------------------------------------------------------- paired statistics

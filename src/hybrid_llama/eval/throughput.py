@@ -17,12 +17,8 @@ machine whose speed drifts, a ratio taken within one round is what can be truste
 CUDA events read at the end of the round (the decode loop never syncs with the host, the argmax
 token stays on the device); CPU timings use ``time.perf_counter``.
 
-Peak memory: a variant's weights plus how far the phase raised the memory high-water mark above its
-level when the phase began. On CUDA that mark is ``torch.cuda.max_memory_allocated`` (reset before
-each phase); on CPU the resident-set high-water mark ``VmHWM`` from ``/proc/self/status``, reset to the
-current RSS by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). Where that is not permitted,
-``ru_maxrss`` (the lifetime peak, which cannot be reset) is reported instead. The column
-``mem_method`` says which was used.
+Peak memory: see ``hybrid_llama.eval.memory``; decoding: ``hybrid_llama.eval.decoding``; the
+models compared: ``hybrid_llama.eval.throughput_variants``.
 
 Out-of-memory at a length gives rows with ``status="oom"``; longer lengths of that variant are
 ``"skipped"``. Any other exception gives ``status="error"`` with the message in ``error``.
@@ -33,18 +29,28 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import re
-import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybrid_llama.eval.placement import cache_keyword
+from hybrid_llama.eval.decoding import decode_step, decode_steps, greedy_decode, prefill
+from hybrid_llama.eval.memory import PeakMemory
+from hybrid_llama.eval.throughput_variants import (
+    Variant,
+    build_throughput_variants,
+    seed_naive_available,
+    triton_available,
+)
 from hybrid_llama.runtime import device_name, resolve_dtype
+
+# re-exported: callers time and check decoding through this module
+__all__ = ["COLUMNS", "PeakMemory", "build_throughput_variants", "decode_step", "decode_steps",
+           "greedy_decode", "measure_throughput", "prefill", "seed_naive_available", "share_measurements",
+           "triton_available", "write_csv"]
 
 log = logging.getLogger(__name__)
 
@@ -57,58 +63,6 @@ COLUMNS = [
 ]
 
 MAX_PREFILL_CALLS = 16  # per variant and round, for the shortest prompts (``prefill_min_s``)
-Variant = tuple[Any, Any, str]  # (model, tokenizer or None, backend label)
-
-
-# ---------------------------------------------------------------- memory
-
-
-def _read_hwm() -> int | None:
-    try:
-        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
-        return int(m.group(1)) * 1024 if m else None
-    except OSError:
-        return None
-
-
-class PeakMemory:
-    """Resettable peak-memory probe: CUDA max allocated, or the CPU RSS high-water mark."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            self.method = "cuda_max_allocated"
-        else:
-            self.method = "rss_hwm" if self._clear_refs() and _read_hwm() is not None else "ru_maxrss"
-
-    @staticmethod
-    def _clear_refs() -> bool:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # 5 = reset the peak RSS to the current RSS
-            return True
-        except OSError:
-            return False
-
-    def reset(self) -> None:
-        if self.method == "cuda_max_allocated":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.level = int(torch.cuda.memory_allocated(self.device))
-        elif self.method == "rss_hwm":
-            self._clear_refs()
-            self.level = int(_read_hwm())
-        else:
-            self.level = 0  # ru_maxrss cannot be reset: growth is the lifetime peak
-
-    def growth(self) -> int:
-        """How far the peak rose above the level at the last :meth:`reset`."""
-        return max(0, self.peak() - self.level)
-
-    def peak(self) -> int:
-        if self.method == "cuda_max_allocated":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        if self.method == "rss_hwm":
-            return int(_read_hwm())
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # kB on Linux
 
 
 # ---------------------------------------------------------------- timing
@@ -162,44 +116,6 @@ def cache_nbytes(cache: Any) -> int:
 
 
 # ---------------------------------------------------------------- decode
-
-
-@torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor):
-    """Cache-building forward that keeps only the last position's logits: (next token [B, 1], cache)."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1), out.past_key_values
-
-
-@torch.inference_mode()
-def decode_step(model, token: torch.Tensor, cache):
-    """One greedy step from ``cache``, feeding ``token`` [B, 1]: (next token [B, 1], cache)."""
-    out = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1), out.past_key_values
-
-
-def decode_steps(model, token: torch.Tensor, cache, n: int) -> torch.Tensor:
-    """``n`` greedy steps from ``cache``, feeding ``token`` first; returns the n fed tokens [B, n]."""
-    fed = []
-    for _ in range(n):
-        fed.append(token)
-        token, cache = decode_step(model, token, cache)
-    return torch.cat(fed, dim=1)
-
-
-@torch.inference_mode()
-def greedy_decode(model, input_ids: torch.Tensor, n: int, *, use_cache: bool = True) -> torch.Tensor:
-    """``n`` greedily generated tokens [B, n]: with the cache (the benchmarked path) or by
-    recomputing the whole sequence at every step (no cache), for checking one against the other."""
-    if use_cache:
-        token, cache = prefill(model, input_ids)
-        return decode_steps(model, token, cache, n)
-    seq = input_ids
-    for _ in range(n):
-        logits = model(input_ids=seq, use_cache=False).logits
-        seq = torch.cat([seq, logits[:, -1:].argmax(-1)], dim=1)
-    return seq[:, input_ids.shape[1] :]
-
 
 # ---------------------------------------------------------------- measurement
 
@@ -315,6 +231,10 @@ def measure_throughput(
     time_budget_s: float | None = None,
     seed: int = 0,
     prefill_min_s: float = 0.5,
+    long_from: int | None = None,
+    long_repeats: int | None = None,
+    long_warmup: int = 0,
+    long_variants: Collection[str] | None = None,
 ):
     """Tidy ``pandas.DataFrame`` (columns ``COLUMNS``), one row per variant x phase x length.
 
@@ -335,6 +255,11 @@ def measure_throughput(
     (see :class:`PeakMemory`), so other loaded variants do not count. ``time_budget_s`` bounds each
     variant: once its own timed and untimed runs have taken that long, its longer lengths are
     ``skipped``.
+
+    Long prompts (``long_from`` tokens or more) take ``long_repeats`` timed rounds after
+    ``long_warmup`` untimed ones (the shorter lengths warmed the code up already), and only base and
+    the ``long_variants`` run them (None: every variant); the others' rows there are ``skipped``.
+    The CSV's ``repeats`` column says how many rounds each length took.
     """
     import pandas as pd
 
@@ -345,7 +270,7 @@ def measure_throughput(
     lens = sorted({int(n) for n in seq_lens})
     rows: list[dict] = []
 
-    def add(name, backend, length, status, phase_vals=None, error="", prefill_calls=1):
+    def add(name, backend, length, status, phase_vals=None, error="", prefill_calls=1, repeats=repeats):
         for phase in ("prefill", "decode"):
             v = (phase_vals or {}).get(phase, {})
             rows.append({
@@ -374,9 +299,12 @@ def measure_throughput(
     gen = torch.Generator().manual_seed(seed)
     for n in lens:
         ids = torch.randint(0, _vocab(built), (batch, n), generator=gen).to(dev)
-        runs: dict[str, list[dict]] = {name: [] for name in built if name not in stopped}
+        long = long_from is not None and n >= long_from
+        n_repeats, n_warmup = (long_repeats or repeats, long_warmup) if long else (repeats, warmup)
+        timed = [name for name in built if not long or long_variants is None or name == "base" or name in long_variants]
+        runs: dict[str, list[dict]] = {name: [] for name in timed if name not in stopped}
         calls = 1
-        for r in range(warmup + repeats):
+        for r in range(n_warmup + n_repeats):
             order = _rotated([name for name in runs if name not in stopped], r)
             done, failed = _interleaved_round({name: built[name][0] for name in order}, ids, decode_tokens, dev, mem,
                                               prefill_calls=calls)
@@ -388,14 +316,14 @@ def measure_throughput(
                 add(name, built[name][1], n, status, error=f"{type(exc).__name__}: {str(exc)[:300]}")
             for name, once in done.items():
                 spent[name] += once["prefill"][0] * calls + once["decode"][0]
-                if r >= warmup:
+                if r >= n_warmup:
                     runs[name].append(once)
             if r == 0 and done and prefill_min_s > 0:
                 slowest = max(once["prefill"][0] for once in done.values())
                 calls = min(MAX_PREFILL_CALLS, math.ceil(prefill_min_s / slowest)) if slowest > 0 else MAX_PREFILL_CALLS
-        base = runs.get("base") if "base" in runs and len(runs.get("base", [])) == repeats else None
+        base = runs.get("base") if "base" in runs and len(runs.get("base", [])) == n_repeats else None
         for name, done in runs.items():
-            if len(done) != repeats:
+            if len(done) != n_repeats:
                 continue
             paired = None if name == "base" or base is None else base
             vals = _summarise(done, paired, n_tokens={"prefill": n, "decode": decode_tokens}, batch=batch,
@@ -403,7 +331,7 @@ def measure_throughput(
             if name != "base" and base is None:
                 for v in vals.values():
                     v.update(speedup=float("nan"), speedup_min=float("nan"), speedup_max=float("nan"))
-            add(name, built[name][1], n, "ok", vals, prefill_calls=calls)
+            add(name, built[name][1], n, "ok", vals, prefill_calls=calls, repeats=n_repeats)
             log.info("%s L=%d prefill %.1f tok/s decode %.1f tok/s", name, n,
                      vals["prefill"]["tokens_per_s"], vals["decode"]["tokens_per_s"])
             if time_budget_s is not None and spent[name] > time_budget_s and name not in stopped:
@@ -411,6 +339,10 @@ def measure_throughput(
         for name, reason in stopped.items():
             if name in built and not any(r["variant"] == name and r["seq_len"] == n for r in rows):
                 add(name, built[name][1], n, "skipped", error=reason)
+        for name in built:
+            if name not in runs and name not in stopped:
+                add(name, built[name][1], n, "skipped", error=f"lengths from {long_from} are measured for "
+                    f"base and {sorted(long_variants or [])} only", repeats=n_repeats)
     rows.sort(key=lambda r: (list(variants).index(r["variant"]), r["seq_len"], r["phase"] != "prefill"))
     built.clear()
     _free(dev)
@@ -439,76 +371,3 @@ def write_csv(df, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(path, index=False)
     return path
-
-
-# ---------------------------------------------------------------- variants
-
-
-def triton_available(device: str | torch.device) -> bool:
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-
-        from hybrid_llama.ops.triton import prefill  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def seed_naive_available() -> bool:
-    """True once the ops dispatcher accepts ``backend="seed_naive"`` (not just once the module exists)."""
-    try:
-        from hybrid_llama import ops
-    except Exception:
-        return False
-    return "seed_naive" in getattr(ops, "BACKENDS", ())
-
-
-def build_throughput_variants(
-    model_dir: str | Path,
-    hybrid_cfg: dict,
-    device: str,
-    dtype: str | torch.dtype,
-    backends: tuple[str, ...] = ("chunked", "triton", "seed_naive"),
-) -> dict[str, Callable[[], Variant]]:
-    """Lazy variants for :func:`measure_throughput`: ``base`` (SDPA) and ``hybrid_<backend>``.
-
-    Each is loaded fresh from ``model_dir`` (a plain Llama directory) when measured, converted with
-    ``convert_to_hybrid(..., backend=<backend>)`` using ``hybrid_cfg`` (HybridConfig fields; ``layers``
-    defaults to every layer). ``triton`` is left out without CUDA/triton, ``seed_naive`` while
-    ``hybrid_llama.ops.BACKENDS`` does not list it.
-    """
-    from hybrid_llama.models import convert_to_hybrid, load_model
-
-    tdtype = resolve_dtype(dtype)
-    cfg = {k: v for k, v in dict(hybrid_cfg).items() if k != "backend"}
-
-    def base() -> Variant:
-        model, tok = load_model(model_dir, dtype=tdtype, device=device)
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("sdpa")
-        return model, tok, "sdpa"
-
-    def hybrid(backend: str) -> Callable[[], Variant]:
-        def build() -> Variant:
-            model, tok = load_model(model_dir, dtype=tdtype, device=device)
-            layers = cfg.get("layers") or list(range(model.config.num_hidden_layers))
-            convert_to_hybrid(model, layers, **{k: v for k, v in cfg.items() if k != "layers"}, backend=backend)
-            return model.to(device=device, dtype=tdtype).eval(), tok, backend
-        return build
-
-    out: dict[str, Callable[[], Variant]] = {"base": base}
-    for b in backends:
-        if b == "triton" and not triton_available(device):
-            log.info("throughput: no triton variant (needs CUDA and triton)")
-            continue
-        if b == "seed_naive" and not seed_naive_available():
-            log.warning("throughput: no seed_naive variant (hybrid_llama.ops does not accept backend='seed_naive')")
-            continue
-        recipe = (cfg.get("formulation", "hybrid"), cfg.get("feature_map", "elu1"))
-        if b == "seed_naive" and recipe != ("hybrid", "elu1"):
-            log.info("throughput: seed_naive implements only the recreation's formulation (hybrid, elu1)")
-            continue
-        out[f"hybrid_{b}"] = hybrid(b)
-    return out

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from hybrid_llama.config import ConfigError
 from hybrid_llama.weights import known_architecture
 
+from .long_context import check_long_context
 from .paths import path
 
 if TYPE_CHECKING:  # views imports this module; the checks only read a Pipeline
@@ -75,6 +76,7 @@ def check_config(p: Pipeline) -> None:
     for i, v in enumerate(zeroshot["variants"] or []):
         if v not in p.variants:
             raise ConfigError(f"zeroshot.variants[{i}]", f"'{v}' is not a variant of this config ({list(p.variants)})")
+    check_long_context(p)
 
 
 def _check_sparse_cache(p: Pipeline, v: str) -> None:

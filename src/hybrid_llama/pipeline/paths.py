@@ -20,6 +20,7 @@ from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES
 __all__ = [
     "MMLU_FORMATS",
     "PATHS",
+    "LONG_CONTEXT_KINDS",
     "QUALITY_KINDS",
     "SHARED_STAGES",
     "STAGES",
@@ -41,7 +42,10 @@ STAGE_ARTIFACTS = {
     "transfer_lora": ("hybrid_layers", "adapter"),
     "base_lora": ("adapter",),
 }
-QUALITY_KINDS = ("perplexity", "passkey", "components")
+QUALITY_KINDS = ("perplexity", "passkey", "components", "books", "niah")
+# The kinds whose long lengths run only for some slots (quality.long_context), and where each kind's
+# settings live in the config.
+LONG_CONTEXT_KINDS = ("books", "passkey", "niah")
 
 # Every artifact of the workflow. {variant} is the result slot: a variant's name, or a shared
 # stage's name (base, base_lora) for results that do not depend on a variant.
@@ -81,6 +85,7 @@ PATHS: dict[str, str] = {
     "plot_nll": "results/plots/{model}/nll_{device}.png",
     "plot_passkey": "results/plots/{model}/passkey_{device}.png",
     "plot_components": "results/plots/{model}/components_{device}.png",
+    "plot_books_nll": "results/plots/{model}/books_nll_{device}.png",
     "plot_transfer_loss": "results/plots/{model}/{variant}/transfer_loss.png",
     "plot_lora_loss": "results/plots/{model}/{variant}/lora_loss.png",
     "report": "results/report.html",

@@ -16,6 +16,7 @@ from typing import Any
 from hybrid_llama.config import ConfigError, canonical, deep_merge, without_inactive_sparse_cache
 from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
 
+from . import long_context
 from .checks import check_config
 from .paths import PATHS, QUALITY_KINDS, STAGE_ARTIFACTS, WILDCARD_PATTERNS, path, shared_data_dir
 from .variants import lora_owner, resolve_variants, transfer_owner
@@ -180,6 +181,26 @@ class Pipeline:
         return [s for s in VARIANT_STAGES
                 if s in self.variant_stages(variant) or (own_transfer and self.trained(variant, s))]
 
+    # ---- long context (pipeline.long_context)
+
+    def recommended(self) -> str | None:
+        return long_context.recommended(self)
+
+    def quality_settings(self, kind: str, slot: str) -> dict:
+        """A quality job's params: its kind's section with the lengths ``slot`` runs."""
+        return long_context.slot_settings(self, kind, slot)
+
+    def books_source(self) -> dict:
+        return long_context.books_source(self)
+
+    def book_files(self) -> list[str]:
+        return long_context.book_files(self)
+
+    def book_tables(self, model: str, device: str) -> list[str]:
+        """The books NLL tables of the variants that have one (the books figure reads them)."""
+        return [path("quality", model=model, variant=v, device=device, kind="books") for v in self.variants
+                if self.stage_quality_files(model, v, device, "books")]
+
     def section(self, *keys: str) -> Any:
         """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
         node = self.config
@@ -294,6 +315,11 @@ class Pipeline:
             shared, own = [], self.component_stages(variant)
         else:
             shared, own = [s for s in self.stages if s in SHARED_STAGES], self.variant_stages(variant)
+        # a slot left with no length of a long-context kind runs no job of it, and a variant that runs
+        # none has no table of it (base's rows are in the tables of the variants that do)
+        if not long_context.quality_lens(self, kind, variant):
+            return []
+        shared = [s for s in shared if long_context.quality_lens(self, kind, s)]
         return [
             path(
                 "stage_quality",
@@ -311,6 +337,7 @@ class Pipeline:
         plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
         plots += [path(k, model=m, device=d) for m in m_ for d in d_
                   for k in ("plot_throughput", "plot_memory", "plot_nll", "plot_passkey", "plot_components")]
+        plots += [path("plot_books_nll", model=m, device=d) for m in m_ for d in d_ if self.book_tables(m, d)]
         plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in self.transfer_slots()]
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {
@@ -322,6 +349,7 @@ class Pipeline:
                 for v in v_
                 for d in d_
                 for k in QUALITY_KINDS
+                if self.stage_quality_files(m, v, d, k)
             ],
             "throughput": [path("throughput", model=m, device=d) for m in m_ for d in d_],
             "generations": [

@@ -1,9 +1,9 @@
 """The headline table: what linearization bought and what it cost, one row per model that matters.
 
 One table per (model, device). Rows: the base model, the base + LoRA control, and every variant at
-its final stage. Columns: speed and cache relative to base at the longest length base was measured
-at, NLL difference to base at the window length and at the longest context (paired stderr over the
-scored windows), passkey accuracy at the longest length, and the MMLU difference to base per
+its final stage. Columns: speed and cache relative to base at the longest length every variant was
+measured at, NLL difference to base at the window length and at the longest context (paired stderr over the
+scored windows), passkey accuracy at the longest length every row has, and the MMLU difference to base per
 (format, shots) with the paired 2-stderr rule. Every cell links to the section it comes from; a
 number that is not in the result files is a visible "not measured" cell.
 """
@@ -21,7 +21,7 @@ from hybrid_llama.pipeline import Pipeline
 from hybrid_llama.report.formatting import byte_size, plus_minus
 from hybrid_llama.report.results import (
     Results,
-    longest_base_length,
+    longest_common_length,
     mmlu_delta,
     mmlu_metric,
     nll_delta,
@@ -242,6 +242,15 @@ def _zeroshot_cell(zeroshot: dict, model: str, device: str, slot: str, stage: st
     return Cell(c["text"], href, c["title"], css=c["css"], note=c["note"], value=c["value"])
 
 
+def _common_passkey_length(pipe: Pipeline, res: Results, model: str, device: str) -> int | None:
+    """The longest passkey length of every headline row that has passkey trials."""
+    per_row = [{int(r["context_len"]) for r in res.quality_rows("passkey", model, device, stage,
+                                                                 None if slot in SHARED_STAGES else slot)}
+               for slot, stage in row_specs(pipe)]
+    common = set.intersection(*[lens for lens in per_row if lens] or [set()])
+    return max(common, default=max(res.context_lens("passkey", model, device), default=None))
+
+
 def headlines(pipe: Pipeline, res: Results, zeroshot: dict | None = None) -> list[Headline]:
     """One headline table per (model, device) of the config. Given the zero-shot results
     (``report.zeroshot.load``; an empty dict when listed but not there), a last column gives each
@@ -255,10 +264,12 @@ def headlines(pipe: Pipeline, res: Results, zeroshot: dict | None = None) -> lis
     for model in pipe.models:
         for device in pipe.devices:
             speed = res.throughput.get((model, device))
+            # the longest lengths every row was measured at (the long ones run for few variants and
+            # are the recommended variant's block, hybrid_llama.report.long_context)
             lengths = {
-                "throughput": longest_base_length(speed) if speed else None,
+                "throughput": longest_common_length(speed) if speed else None,
                 "nll": max(res.context_lens("perplexity", model, device), default=None),
-                "passkey": max(res.context_lens("passkey", model, device), default=None),
+                "passkey": _common_passkey_length(pipe, res, model, device),
             }
             href = {k: "#" + anchor(k, model, device) for k in ("throughput", "memory", "nll", "passkey", "mmlu")}
             columns = ["prefill", "decode", "cache", "nll_window", "nll_longest", "passkey"]

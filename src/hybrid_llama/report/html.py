@@ -27,6 +27,7 @@ from hybrid_llama.files import atomic_write
 from hybrid_llama.names import SHARED_STAGES, STAGE_LABELS, STAGES
 from hybrid_llama.pipeline import Pipeline, parse_result_path
 from hybrid_llama.report.headline import anchor, headlines
+from hybrid_llama.report.long_context import book_tables, niah_tables, recommended_blocks
 from hybrid_llama.report.provenance import benchmark_rows, git_info, manifest_summary, package_versions
 from hybrid_llama.report.results import (
     Results,
@@ -127,13 +128,17 @@ def build_context(
             sections.append({
                 "model": model, "device": device,
                 "ids": {k: anchor(k, model, device) for k in ("nll", "passkey", "components", "throughput",
-                                                                "memory", "mmlu")},
+                                                                "memory", "mmlu", "books", "niah")},
                 "nll_plot": plot("plot_nll", model, device=device),
                 "passkey_plot": plot("plot_passkey", model, device=device),
                 "components_plot": plot("plot_components", model, device=device),
                 "throughput_plot": plot("plot_throughput", model, device=device),
                 "memory_plot": plot("plot_memory", model, device=device),
                 "quality": quality_tables(res, model, device),
+                # long contexts (hybrid_llama.report.long_context)
+                "books_plot": plot("plot_books_nll", model, device=device),
+                "books": book_tables(res, model, device),
+                "niah": niah_tables(res, model, device),
                 "speed": throughput_tables(speed) if speed else None,
                 "mmlu_subjects": [t for t in subject_tables if (t["model"], t["device"]) == (model, device)],
             })
@@ -206,6 +211,8 @@ def build_context(
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "models": list(pipe.models),
         "glance": glance,
+        "recommended": recommended_blocks(pipe, res),
+        "heldout_books": ", ".join(config.get("data", {}).get("books", {}).get("heldout", [])),
         "missing": missing,
         "sections": sections,
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),

@@ -63,6 +63,8 @@ class Results:
     perplexity: dict[tuple, list[dict]] = field(default_factory=dict)
     passkey: dict[tuple, list[dict]] = field(default_factory=dict)
     components: dict[tuple, list[dict]] = field(default_factory=dict)
+    books: dict[tuple, list[dict]] = field(default_factory=dict)  # NLL vs context on the held-out books
+    niah: dict[tuple, list[dict]] = field(default_factory=dict)  # multi-key needle in a haystack
     throughput: dict[tuple, list[dict]] = field(default_factory=dict)
     mmlu: dict[tuple, dict] = field(default_factory=dict)
     mmlu_files: dict[tuple, Path] = field(default_factory=dict)
@@ -165,6 +167,19 @@ def longest_base_length(rows: list[dict]) -> int | None:
             ok[r["phase"]].add(int(r["seq_len"]))
     common = ok["prefill"] & ok["decode"]
     return max(common) if common else None
+
+
+def longest_common_length(rows: list[dict]) -> int | None:
+    """The longest length every label of a throughput CSV was measured at in both phases (the
+    headline compares every variant there); the longest base length when no length is common."""
+    ok: dict[str, set] = defaultdict(set)
+    labels = {r["variant"] for r in rows}
+    for r in rows:
+        if r["status"] == "ok":
+            ok[r["variant"], r["phase"]].add(int(r["seq_len"]))
+    common = set.intersection(*(ok[label, phase] for label in labels for phase in ("prefill", "decode"))) \
+        if labels else set()
+    return max(common) if common else longest_base_length(rows)
 
 
 def paired_speedup(row: dict, base: dict) -> tuple[float, float, float]:

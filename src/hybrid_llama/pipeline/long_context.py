@@ -1,0 +1,113 @@
+"""The config seen by the long-context evaluations: the recommended variant, which result slots run
+the long lengths, and the held-out books.
+
+An 8K forward of a 135M model costs about a minute on one CPU core, so the lengths of
+``quality.long_context.from_len`` tokens and more run only for the slots listed per kind under
+``quality.long_context.slots`` ('recommended' stands for the top-level ``recommended`` variant);
+every other slot runs the shorter lengths of the same evaluation. A slot with no length left runs no
+job of that kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybrid_llama.config import canonical
+
+from .paths import LONG_CONTEXT_KINDS
+
+if TYPE_CHECKING:  # views imports this module
+    from .views import Pipeline
+
+__all__ = ["book_files", "books_dir", "books_source", "kind_settings", "long_slots", "quality_lens", "recommended",
+           "slot_settings", "throughput_long", "uses_books", "check_long_context"]
+
+
+def recommended(p: Pipeline) -> str | None:
+    """The recommended variant's name (config ``recommended``), or None."""
+    return p.config.get("recommended")
+
+
+def kind_settings(p: Pipeline, kind: str) -> dict[str, Any]:
+    """The config section of a quality kind: ``quality.<kind>``, or ``quality.long_context.<kind>``
+    for the long-context evaluations (books, niah)."""
+    quality = p.config["quality"]
+    return quality[kind] if kind in quality and kind != "long_context" else quality["long_context"][kind]
+
+
+def long_slots(p: Pipeline, kind: str) -> list[str]:
+    """The slots that run the long lengths of ``kind`` ('recommended' resolved; dropped when unset)."""
+    named = p.config["quality"]["long_context"]["slots"][kind]
+    rec = recommended(p)
+    return [rec if s == "recommended" else s for s in named if s != "recommended" or rec is not None]
+
+
+def quality_lens(p: Pipeline, kind: str, slot: str) -> list[int]:
+    """The context lengths ``slot`` evaluates for ``kind``: all of them, or for the long-context kinds
+    the short ones unless ``slot`` runs the long lengths."""
+    lens = [int(n) for n in kind_settings(p, kind)["context_lens"]]
+    start = p.config["quality"]["long_context"]["from_len"]
+    if kind not in LONG_CONTEXT_KINDS or start is None or slot in long_slots(p, kind):
+        return lens
+    return [n for n in lens if n < int(start)]
+
+
+def slot_settings(p: Pipeline, kind: str, slot: str) -> dict[str, Any]:
+    """A quality job's params: the kind's section with the slot's own context lengths."""
+    return canonical({**kind_settings(p, kind), "context_lens": quality_lens(p, kind, slot)})
+
+
+def books_dir(p: Pipeline) -> Path:
+    return p.local_data_path(p.config["data"]["books"]["local"])
+
+
+def books_source(p: Pipeline) -> dict[str, Any]:
+    """What the book jobs read: ``{dir, heldout}`` (hybrid_llama.books.heldout_books)."""
+    return canonical({"dir": str(books_dir(p)), "heldout": list(p.config["data"]["books"]["heldout"])})
+
+
+def book_files(p: Pipeline) -> list[str]:
+    """The held-out books' files, as job inputs (a changed book reruns its evaluations)."""
+    return [str(books_dir(p) / f"{name}.txt") for name in p.config["data"]["books"]["heldout"]]
+
+
+def uses_books(p: Pipeline) -> bool:
+    """Whether any evaluation reads the books: NLL on them, or a needle test with a book haystack."""
+    return bool(kind_settings(p, "books")["context_lens"]) or "book" in kind_settings(p, "niah")["haystacks"]
+
+
+def check_long_context(p: Pipeline) -> None:
+    """ConfigError for a recommended variant or a long-length slot that names no variant, and for
+    held-out books that are not in the books directory (when an evaluation reads them)."""
+    from hybrid_llama.config import ConfigError
+    from hybrid_llama.names import SHARED_STAGES
+
+    rec = recommended(p)
+    if rec is not None and rec not in p.variants:
+        raise ConfigError("recommended", f"'{rec}' is not a variant (variants: {sorted(p.variants)})")
+    unknown = [v for v in throughput_long(p)["variants"] if v not in p.variants]
+    if unknown:
+        raise ConfigError("throughput.long.variants", f"{unknown} name no variant (variants: {sorted(p.variants)})")
+    known = {*p.variants, *SHARED_STAGES, "recommended"}
+    for kind in LONG_CONTEXT_KINDS:
+        unknown = [s for s in p.config["quality"]["long_context"]["slots"][kind] if s not in known]
+        if unknown:
+            raise ConfigError(f"quality.long_context.slots.{kind}",
+                              f"{unknown} name no result slot (base, base_lora, a variant or 'recommended')")
+    if not uses_books(p):
+        return
+    directory = books_dir(p)
+    if not directory.is_dir():
+        raise ConfigError("data.books.local", f"{directory} is not a directory (shared_data = {p.shared_data()})")
+    missing = [f for f in book_files(p) if not Path(f).is_file()]
+    if missing:
+        raise ConfigError("data.books.heldout", f"no such book: {missing} (the books are the *.txt of {directory})")
+
+
+def throughput_long(p: Pipeline) -> dict[str, Any]:
+    """``throughput.long`` with 'recommended' resolved to the variant it names (dropped when unset)."""
+    long = dict(p.config["throughput"]["long"])
+    rec = recommended(p)
+    long["variants"] = [rec if v == "recommended" else v for v in long["variants"] if v != "recommended" or rec]
+    return canonical(long)

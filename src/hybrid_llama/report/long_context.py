@@ -1,0 +1,152 @@
+"""The report's long-context part: the recommended variant's block under the headline, and the
+tables of NLL vs context on the held-out books and of the multi-key needle test.
+
+The recommended variant (config ``recommended``) is the one model the page recommends; its block
+gives what it keeps and what it buys at long contexts, each number against base on the same items:
+the NLL gap on the books at 2048/4096/8192 tokens (paired over windows), passkey beyond the window at
+the long lengths, the multi-key needle test, and the prefill/decode speed-up and cache share at the
+longest length it was timed at, with the length from which it stays faster than base.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hybrid_llama.eval.tables import BEYOND_WINDOW, niah_summary
+from hybrid_llama.pipeline import Pipeline
+from hybrid_llama.report.formatting import plus_minus
+from hybrid_llama.report.headline import anchor
+from hybrid_llama.report.quality_plots import stage_label
+from hybrid_llama.report.results import (
+    Results,
+    crossover,
+    nll_delta,
+    num,
+    paired_speedup,
+    passkey_at,
+    speed_ratios,
+    stage_rows,
+)
+
+NLL_POINTS = 3  # the block quotes the books' NLL gap at the recommended variant's longest lengths (2048-8192)
+
+
+def _tables(res: Results, kind: str, model: str, device: str) -> dict[str, list[dict]]:
+    return {v: rows for (m, v, d), rows in sorted(getattr(res, kind).items()) if m == model and d == device}
+
+
+def _accuracy(p: dict | None) -> str:
+    if p is None:
+        return ""
+    return f"{p['accuracy']:.0%} ({p['found']}/{p['trials']}, {p['ci_low']:.0%}–{p['ci_high']:.0%})"
+
+
+def book_tables(res: Results, model: str, device: str) -> dict:
+    """NLL on the held-out books per context length and stage, with the paired difference to base."""
+    ppl = stage_rows(_tables(res, "books", model, device))
+    base = next((rows for _, s, rows in ppl if s == "base"), [])
+    table = []
+    for L in res.context_lens("books", model, device):
+        cells = []
+        for _, stage, rows in ppl:
+            r = next((r for r in rows if int(r["context_len"]) == L), None)
+            d = nll_delta(rows, base, L) if stage != "base" else None
+            delta = f" ({plus_minus(d['diff'], d['stderr'])})" if d else ""
+            cells.append("" if r is None else f"{r['nll']:.3f}{delta}")
+        table.append({"context_len": L, "cells": cells})
+    windows = max((len(r.get("window_nlls") or []) for _, _, rows in ppl for r in rows), default=0)
+    return {"columns": [stage_label(v, s) for v, s, _ in ppl], "rows": table, "windows": windows}
+
+
+def niah_tables(res: Results, model: str, device: str) -> dict:
+    """Multi-key needle accuracy per (haystack, length) and stage, the needles beyond the window apart."""
+    stages = stage_rows(_tables(res, "niah", model, device))
+    keys = sorted({(r["haystack"], int(r["context_len"])) for _, _, rows in stages for r in rows})
+    table = []
+    for hay, L in keys:
+        cells = []
+        for _, _, rows in stages:
+            p, far = niah_summary(rows, L, haystack=hay), niah_summary(rows, L, haystack=hay, beyond=BEYOND_WINDOW)
+            cells.append(_accuracy(p) + ("" if far is None else f"; beyond the window: {_accuracy(far)}"))
+        table.append({"haystack": hay, "context_len": L, "cells": cells})
+    n_keys = sorted({int(r["n_keys"]) for _, _, rows in stages for r in rows})
+    return {"columns": [stage_label(v, s) for v, s, _ in stages], "rows": table,
+            "n_keys": ", ".join(map(str, n_keys))}
+
+
+# ------------------------------------------------------------------------------------ the recommended variant
+
+
+def _item(label: str, text: str, title: str = "", href: str = "") -> dict:
+    return {"label": label, "text": text or "not measured", "title": title, "href": href}
+
+
+def _speed_items(rows: list[dict] | None, slot: str, href: str) -> list[dict]:
+    """Prefill and decode speed-up and cache share at the longest length ``slot`` ran, and where it
+    overtakes base."""
+    if not rows:
+        return [_item("speed vs base", "", "no throughput result", href)]
+    base = {(int(r["seq_len"]), r["phase"]): r for r in rows if r["variant"] == "base" and r["status"] == "ok"}
+    own = [r for r in rows if r["slot"] == slot and r["variant"] != "base" and r["status"] == "ok"
+           and (int(r["seq_len"]), r["phase"]) in base]
+    if not own:
+        return [_item("speed vs base", "", f"'{slot}' has no successful run beside base", href)]
+    longest = max(int(r["seq_len"]) for r in own)
+    items = []
+    for phase in ("prefill", "decode"):
+        best = max((r for r in own if int(r["seq_len"]) == longest and r["phase"] == phase),
+                   key=lambda r: num(r["tokens_per_s"]), default=None)
+        if best is None:
+            items.append(_item(f"{phase} at {longest}", "", href=href))
+            continue
+        ratio, lo, hi = paired_speedup(best, base[longest, phase])
+        spread = f" ({lo:.2f}–{hi:.2f}× over {int(num(best['repeats']))} rounds)" if hi > lo else ""
+        over = crossover(*speed_ratios(rows, slot, phase))
+        where = f"; faster than base from about {over:,.0f} tokens" if over else ""
+        items.append(_item(f"{phase} at {longest} tokens", f"{ratio:.2f}× base{spread}{where}",
+                           f"{num(best['tokens_per_s']):,.1f} vs base {num(base[longest, phase]['tokens_per_s']):,.1f}"
+                           " tokens/s; median of per-round paired ratios", href))
+    cache = next((num(r["cache_bytes"]) for r in own if int(r["seq_len"]) == longest and r["phase"] == "prefill"),
+                 math.nan)
+    base_cache = num(base.get((longest, "prefill"), {}).get("cache_bytes"))
+    share = cache / base_cache if base_cache else math.nan
+    items.append(_item(f"cache at {longest} tokens", "" if math.isnan(share) else f"{share:.0%} of base's",
+                       f"{cache:,.0f} vs base {base_cache:,.0f} bytes after prefill", href))
+    return items
+
+
+def recommended_blocks(pipe: Pipeline, res: Results) -> list[dict]:
+    """Per (model, device): the recommended variant at its final stage against base, at long contexts."""
+    slot = pipe.recommended()
+    if slot is None or not pipe.variant_stages(slot):
+        return []
+    stage = pipe.variant_stages(slot)[-1]
+    out = []
+    for model in pipe.models:
+        for device in pipe.devices:
+            href = {k: "#" + anchor(k, model, device) for k in ("books", "passkey", "niah", "throughput")}
+            items = []
+            books, base = (res.quality_rows("books", model, device, s, v) for s, v in ((stage, slot), ("base", None)))
+            for L in sorted({int(r["context_len"]) for r in books})[-NLL_POINTS:]:
+                d = nll_delta(books, base, L)
+                items.append(_item(f"NLL gap to base on the held-out books at {L}",
+                                   "" if d is None else f"{plus_minus(d['diff'], d['stderr'])} nats",
+                                   "" if d is None else f"{d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token, ± "
+                                   f"paired stderr over {d['n_windows']} windows", href["books"]))
+            passkey = res.quality_rows("passkey", model, device, stage, slot)
+            start = pipe.config["quality"]["long_context"]["from_len"] or 0
+            lens = sorted({int(r["context_len"]) for r in passkey})
+            for L in [n for n in lens if n >= start] or lens[-1:]:
+                far = passkey_at(passkey, L, beyond=BEYOND_WINDOW)  # None for files without needle distances
+                items.append(_item(f"passkey {'beyond the window ' if far else ''}at {L}",
+                                   _accuracy(far or passkey_at(passkey, L)),
+                                   (f"needles more than {BEYOND_WINDOW} tokens before the question" if far else
+                                    "all needles") + "; 95 % Wilson interval", href["passkey"]))
+            niah = res.quality_rows("niah", model, device, stage, slot)
+            for hay, L in sorted({(r["haystack"], int(r["context_len"])) for r in niah}):
+                items.append(_item(f"multi-key needles ({hay} haystack) at {L}",
+                                   _accuracy(niah_summary(niah, L, haystack=hay)),
+                                   "answer by greedy generation; another needle's value scores 0", href["niah"]))
+            items += _speed_items(res.throughput.get((model, device)), slot, href["throughput"])
+            out.append({"model": model, "device": device, "variant": slot, "stage": stage, "entries": items})
+    return out
