@@ -11,24 +11,37 @@ import torch
 from hybrid_llama.ops.feature_maps import keys_need_query_heads, resolve_qk_maps
 
 
+def unrotate(x: torch.Tensor, period: int, theta: float) -> torch.Tensor:
+    """Post-RoPE ``[B, H, T, D]`` rotated back by ``period * (t // period)`` positions: the RoPE angles of
+    position ``t mod period`` (rotate-half layout), so a feature map sees only angles of its training rows."""
+    D, T = x.shape[-1], x.shape[2]
+    inv = theta ** (-torch.arange(0, D, 2).float() / D)
+    back = -(torch.arange(T) // period * period).float()
+    ang = back[:, None] * torch.cat([inv, inv])[None, :]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return x * torch.cos(ang) + torch.cat([-x2, x1], dim=-1) * torch.sin(ang)
+
+
 def probe_attention(q, k, v, wl, ll, *, window, feature_map, gamma=1.0, lin_window=0, count_ref=0,
-                    stats=None):
+                    wrap=0, theta=1e4, stats=None):
     """Hybrid attention (lolcats formulation) in blocks of ``window`` queries: each block's window keys
     lie in it and the block before; its linear keys are the prefix state of the blocks before that plus
     the older part of the previous block. ``stats`` (a dict) receives the per-query weights of the
-    two parts, ``a * sum_win exp(s - m)`` and ``b * phi(q) z`` ``[H, T]``."""
+    two parts, ``a * sum_win exp(s - m)`` and ``b * phi(q) z`` ``[H, T]``. ``wrap``: the feature maps
+    read q and k at RoPE positions ``t mod wrap`` (the window part keeps the true positions)."""
     B, H, T, D = q.shape
     C, g = window, H // k.shape[1]
     phi_q, phi_k = resolve_qk_maps(feature_map)
     kf, vf = k.float(), v.float()
+    feat_in = (lambda x: unrotate(x, wrap, theta)) if wrap else (lambda x: x)
     if keys_need_query_heads(feature_map):
         kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
-        fk = phi_k(kf).float()
+        fk = phi_k(feat_in(kf)).float()
     else:
-        fk = phi_k(kf).float()
+        fk = phi_k(feat_in(kf)).float()
         kf, vf, fk = (x.repeat_interleave(g, 1) for x in (kf, vf, fk))
     qf = q.float()
-    fq = phi_q(qf).float()
+    fq = phi_q(feat_in(qf)).float()
     pad = (-T) % C
     n = (T + pad) // C
 

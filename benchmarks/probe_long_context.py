@@ -23,6 +23,8 @@ Arms (``--arms``, comma separated):
 - ``linwin:N``: the linear part reads only keys fewer than N positions back (a multiple of the window);
 - ``count:N``: past N tokens the linear part's weight is scaled by (N - w) / (keys in the linear part),
   so its sums keep the size they had at the training length;
+- ``wrap:N``: the feature maps read q and k at RoPE positions ``t mod N`` (angles of the training rows);
+  arms of the probe's op combine with '+', e.g. ``wrap:2048+decay:0.999``;
 - ``sparse:S:K``: the project's sparse cache with S keys per KV head and K sinks on the trained layers;
 - ``shift`` / ``base_shift``: positions offset so that every window ends at the model's last
   position (8191): the same tokens and key counts, only the absolute RoPE rotations change.
@@ -65,9 +67,16 @@ class Arm:
     sparse_cache: int = 0
     sinks: int = 0
     shift: bool = False
+    wrap: int = 0
 
 
 def parse_arm(spec: str) -> Arm:
+    """One arm, or several probe-op changes joined by '+' (``wrap:2048+decay:0.999``)."""
+    if "+" in spec:
+        parts = [parse_arm(p) for p in spec.split("+")]
+        changed = {f: getattr(p, f) for p in parts for f in ("gamma", "lin_window", "count_ref", "wrap")
+                   if getattr(p, f) != getattr(Arm(""), f)}
+        return Arm(spec, op="probe", **changed)
     kind, *args = spec.split(":")
     simple = {
         "base": Arm(spec, model="base"), "base_shift": Arm(spec, model="base", shift=True),
@@ -80,6 +89,8 @@ def parse_arm(spec: str) -> Arm:
         return Arm(spec, op="probe", gamma=float(args[0]))
     if kind == "linwin":
         return Arm(spec, op="probe", lin_window=int(args[0]))
+    if kind == "wrap":
+        return Arm(spec, op="probe", wrap=int(args[0]))
     if kind == "count":
         return Arm(spec, op="probe", count_ref=int(args[0]))
     if kind == "sparse":
@@ -103,6 +114,9 @@ class Probe:
         cfg = yaml.safe_load(Path(args.config).read_text())
         variant = next(v for v in cfg["variants"] if v["name"] == args.variant)
         self.hybrid = HybridConfig.from_dict(variant["hybrid"])
+        weights_cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
+        rope = weights_cfg.get("rope_parameters") or weights_cfg
+        self.theta = float(rope.get("rope_theta", 1e4))
         hybrid_layer_module.hybrid_attention = self.attention
         self.tokenizer = None
 
@@ -114,6 +128,9 @@ class Probe:
             elif name == "window_only":
                 m, tok = load_stage(a.model_dir, "converted", hybrid=replace(self.hybrid, formulation="window",
                                                                             feature_map="elu1"))
+            elif a.stage == "transfer":  # attention transfer alone, before LoRA
+                m, tok = load_stage(a.model_dir, "transfer", hybrid=self.hybrid,
+                                    hybrid_layers=root / "transfer" / "hybrid_layers.safetensors")
             elif a.untrained:  # a smoke run before training: the same layers converted, maps at identity
                 m, tok = load_stage(a.model_dir, "converted", hybrid=self.hybrid)
             else:
@@ -144,7 +161,8 @@ class Probe:
         if arm.op == "project" and kw["formulation"] != "lolcats":
             raise SystemExit("diagnose needs the lolcats formulation")
         o = probe_attention(q, k, v, wl, ll, window=kw["window"], feature_map=kw["feature_map"], gamma=arm.gamma,
-                            lin_window=arm.lin_window, count_ref=arm.count_ref, stats=stats)
+                            lin_window=arm.lin_window, count_ref=arm.count_ref, wrap=arm.wrap, theta=self.theta,
+                            stats=stats)
         if stats is not None:
             self.on_layer(self.layer, q, k, v, wl, ll, stats)
         return o, None
@@ -322,13 +340,19 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=1, help="windows per book")
     ap.add_argument("--arms", default="base,lolcats,window_only,linear_off")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stage", default="transfer_lora", choices=["transfer_lora", "transfer"],
+                    help="the trained variant's stage the arms change")
     ap.add_argument("--untrained", action="store_true", help="smoke run: the variant's layers untrained")
     ap.add_argument("--train-len", type=int, default=2048, help="the rows the variant was trained on")
     ap.add_argument("--out", default="results/probe_long_context")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.command == "summary":
-        summarize(Path(args.out) / "nll.jsonl", Path(args.out) / "nll_summary.md")
+    if args.command == "summary":  # the tables again from the rows written so far
+        out = Path(args.out)
+        summarize(out / "nll.jsonl", out / "nll_summary.md")
+        if (out / "diagnose.jsonl").exists():
+            rows = [json.loads(x) for x in (out / "diagnose.jsonl").read_text().splitlines()]
+            report_diagnosis(rows, out / "diagnose_summary.md")
         return
     {"nll": cmd_nll, "diagnose": cmd_diagnose, "check": cmd_check}[args.command](args)
 
