@@ -45,12 +45,12 @@ import yaml
 from long_context_op import probe_attention  # this folder (the script's own modules)
 from long_context_stats import Collector, report_diagnosis
 
-import hybrid_llama.layers.hybrid_attention as hybrid_layer_module
+import hybrid_llama.ops.dispatch as dispatch
 from hybrid_llama.layers import HybridConfig, HybridLlamaAttention
 from hybrid_llama.ops.feature_maps import resolve_qk_maps
 from hybrid_llama.stages import load_stage
 
-PROJECT_OP = hybrid_layer_module.hybrid_attention
+PROJECT_OP = dispatch.hybrid_attention  # what a hybrid layer's prompt calls (ops.layer_prompt)
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class Probe:
         weights_cfg = json.loads((Path(args.model_dir) / "config.json").read_text())
         rope = weights_cfg.get("rope_parameters") or weights_cfg
         self.theta = float(rope.get("rope_theta", 1e4))
-        hybrid_layer_module.hybrid_attention = self.attention
+        dispatch.hybrid_attention = self.attention
         self.tokenizer = None
 
     def model(self, name: str):
