@@ -559,6 +559,8 @@ def test_lora_change_reruns_only_lora_and_dependents(built):
         | _tables(L)
         | _tables(C, ("perplexity", "passkey", "books", "niah"))
         | _exports(V, L)
+        # the zero-shot suite scores L's final stage (test.yaml's zeroshot.variants); base's stays
+        | {("zeroshot", f"results/{M}/{L}/zeroshot/{D}/transfer_lora.json")}
         | REPORT
     )
     assert _plan(wf, cfg, "lora_r") == expected

@@ -20,6 +20,7 @@ write_report(
     transfer_metrics=list(inp.transfer_metrics),
     lora_metrics=list(inp.lora_metrics),
     exports=list(inp.exports),
+    zeroshot=list(inp.zeroshot),
     manifests=list(inp.manifests),
     benchmarks_dir="logs/benchmarks",
     repo_dir=Path(snakemake.scriptdir).parents[1],
