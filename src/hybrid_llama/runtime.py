@@ -52,6 +52,13 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
     return dt
 
 
+def for_eval(model, device: str, dtype: Any):
+    """``model`` on ``device`` in ``dtype`` (None / 'auto': as it is), in eval mode, for scoring."""
+    torch_dtype = resolve_dtype(dtype)
+    model = model.to(device=device, dtype=torch_dtype) if torch_dtype else model.to(device)
+    return model.eval()
+
+
 def require_device(device: str) -> str:
     """The torch device of a config/wildcard device; raise if it names CUDA and there is none.
 

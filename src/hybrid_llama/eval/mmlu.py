@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_llama.names import MMLU_FORMATS as FORMATS
-from hybrid_llama.runtime import device_name, resolve_dtype
+from hybrid_llama.runtime import device_name, for_eval
 
 if TYPE_CHECKING:
     import torch
@@ -239,9 +239,7 @@ def run_mmlu(
     if missing:
         raise ValueError(f"unknown MMLU subjects: {sorted(missing)}")
 
-    torch_dtype = resolve_dtype(dtype)
-    model = model.to(device=device, dtype=torch_dtype) if torch_dtype else model.to(device)
-    model.eval()
+    model = for_eval(model, device, dtype)
     param_dtype = next(model.parameters()).dtype
 
     # Scoring never decodes: building a cache (KV or hybrid state) in every forward is wasted work.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_llama.eval.tables import mean_sd
 from hybrid_llama.files import atomic_write
-from hybrid_llama.runtime import device_name, resolve_dtype
+from hybrid_llama.runtime import device_name, for_eval
 from hybrid_llama.tasks import TASK_NAMES, task_manager
 
 if TYPE_CHECKING:
@@ -155,9 +155,7 @@ def run_suite(
     unknown = set(tasks) - set(SUITE)
     if unknown:
         raise ValueError(f"unknown zero-shot tasks {sorted(unknown)} (known: {list(SUITE)})")
-    torch_dtype = resolve_dtype(dtype)
-    model = model.to(device=device, dtype=torch_dtype) if torch_dtype else model.to(device)
-    model.eval()
+    model = for_eval(model, device, dtype)
     param_dtype = next(model.parameters()).dtype
 
     manager = task_manager(source, shared_data)

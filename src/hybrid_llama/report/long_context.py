@@ -27,12 +27,9 @@ from hybrid_llama.report.results import (
     speed_ratios,
     stage_rows,
 )
+from hybrid_llama.report.tables import kind_tables, nll_table
 
 NLL_POINTS = 3  # the block quotes the books' NLL gap at the recommended variant's longest lengths (2048-8192)
-
-
-def _tables(res: Results, kind: str, model: str, device: str) -> dict[str, list[dict]]:
-    return {v: rows for (m, v, d), rows in sorted(getattr(res, kind).items()) if m == model and d == device}
 
 
 def _accuracy(p: dict | None) -> str:
@@ -43,24 +40,14 @@ def _accuracy(p: dict | None) -> str:
 
 def book_tables(res: Results, model: str, device: str) -> dict:
     """NLL on the held-out books per context length and stage, with the paired difference to base."""
-    ppl = stage_rows(_tables(res, "books", model, device))
-    base = next((rows for _, s, rows in ppl if s == "base"), [])
-    table = []
-    for L in res.context_lens("books", model, device):
-        cells = []
-        for _, stage, rows in ppl:
-            r = next((r for r in rows if int(r["context_len"]) == L), None)
-            d = nll_delta(rows, base, L) if stage != "base" else None
-            delta = f" ({plus_minus(d['diff'], d['stderr'])})" if d else ""
-            cells.append("" if r is None else f"{r['nll']:.3f}{delta}")
-        table.append({"context_len": L, "cells": cells})
+    ppl, table = nll_table(res, "books", model, device)
     windows = max((len(r.get("window_nlls") or []) for _, _, rows in ppl for r in rows), default=0)
     return {"columns": [stage_label(v, s) for v, s, _ in ppl], "rows": table, "windows": windows}
 
 
 def niah_tables(res: Results, model: str, device: str) -> dict:
     """Multi-key needle accuracy per (haystack, length) and stage, the needles beyond the window apart."""
-    stages = stage_rows(_tables(res, "niah", model, device))
+    stages = stage_rows(kind_tables(res, "niah", model, device))
     keys = sorted({(r["haystack"], int(r["context_len"])) for _, _, rows in stages for r in rows})
     table = []
     for hay, L in keys:

@@ -135,25 +135,34 @@ def throughput_tables(rows: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------ quality
 
 
-def quality_tables(res: Results, model: str, device: str) -> dict:
-    """The tables behind the quality figures of one (model, device): NLL with the paired difference
-    to base, passkey accuracy, and the component diagnostic."""
-    def tables(kind: str) -> dict[str, list[dict]]:
-        return {v: rows for (m, v, d), rows in sorted(getattr(res, kind).items()) if m == model and d == device}
+def kind_tables(res: Results, kind: str, model: str, device: str) -> dict[str, list[dict]]:
+    """{variant: rows} of one result kind (perplexity, passkey, books, ...) for one (model, device)."""
+    return {v: rows for (m, v, d), rows in sorted(getattr(res, kind).items()) if m == model and d == device}
 
-    ppl = stage_rows(tables("perplexity"))
-    base = next((rows for v, s, rows in ppl if s == "base"), [])
-    nll = []
-    for L in res.context_lens("perplexity", model, device):
+
+def nll_table(res: Results, kind: str, model: str, device: str) -> tuple[list, list[dict]]:
+    """A corpus's NLL by context length (``perplexity`` or ``books``): the stages (``stage_rows``) and one
+    row per length whose cells give each stage's NLL and its paired difference to base."""
+    stages = stage_rows(kind_tables(res, kind, model, device))
+    base = next((rows for _, s, rows in stages if s == "base"), [])
+    table = []
+    for L in res.context_lens(kind, model, device):
         cells = []
-        for _variant, stage, rows in ppl:
+        for _, stage, rows in stages:
             r = next((r for r in rows if int(r["context_len"]) == L), None)
             d = nll_delta(rows, base, L) if stage != "base" else None
             delta = f" ({plus_minus(d['diff'], d['stderr'])})" if d else ""
             cells.append("" if r is None else f"{r['nll']:.3f}{delta}")
-        nll.append({"context_len": L, "cells": cells})
+        table.append({"context_len": L, "cells": cells})
+    return stages, table
 
-    pk = stage_rows(tables("passkey"))
+
+def quality_tables(res: Results, model: str, device: str) -> dict:
+    """The tables behind the quality figures of one (model, device): NLL with the paired difference
+    to base, passkey accuracy, and the component diagnostic."""
+    ppl, nll = nll_table(res, "perplexity", model, device)
+
+    pk = stage_rows(kind_tables(res, "passkey", model, device))
     passkey = []
     for L in res.context_lens("passkey", model, device):
         cells = []
@@ -163,7 +172,7 @@ def quality_tables(res: Results, model: str, device: str) -> dict:
             cells.append(text + ("" if far is None else f"; beyond the window: {passkey_text(far)}"))
         passkey.append({"context_len": L, "cells": cells})
 
-    comp = stage_rows(tables("components"))
+    comp = stage_rows(kind_tables(res, "components", model, device))
     comp_lens = res.context_lens("components", model, device)
     components = []
     for variant, stage, rows in comp:
