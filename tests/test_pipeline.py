@@ -176,6 +176,10 @@ def test_variant_overrides_merge_into_the_sections():
             "needs at least 8 (eval_sequences + one batch)",
         ),
         (lambda c: c["transfer"].update(seq_len=8192), "transfer.seq_len", "positions (4096)"),
+        (lambda c: c["transfer"].update(max_position=512), "transfer.max_position", "shorter than a training row"),
+        (lambda c: c["variants"][0].update(transfer={"max_position": 8192}), "variants[v].transfer.max_position",
+         "4096 positions"),
+        (lambda c: c["lora"].update(max_position=5000), "lora.max_position", "4096 positions"),
         (
             lambda c: c["variants"][0].update(transfer={"trainable": "feature_map"}),
             "variants[v].transfer.trainable",

@@ -117,6 +117,10 @@ def _check_training(p: Pipeline, v: str) -> None:
                     _key(p, v, "transfer", "seq_len"),
                     f"{t['seq_len']} tokens is longer than model '{model}' has positions ({positions})",
                 )
+        if 0 < t["max_position"] < t["seq_len"]:
+            raise ConfigError(_key(p, v, "transfer", "max_position"),
+                              f"{t['max_position']} is shorter than a training row (seq_len {t['seq_len']}); use 0 "
+                              f"or at least {t['seq_len']}")
         if t["num_tokens"] is not None:
             rows = t["num_tokens"] // t["seq_len"]
             need = {"transfer": t["eval_sequences"] + t["batch_size"]}
@@ -129,6 +133,13 @@ def _check_training(p: Pipeline, v: str) -> None:
                         f"{t['num_tokens']} tokens make {rows} rows of seq_len {t['seq_len']}; {what} of variant "
                         f"'{v}' needs at least {n} (eval_sequences + one batch)",
                     )
+    for section, stage, settings in (("transfer", "transfer", t), ("lora", "transfer_lora", lora)):
+        if p.trained(v, stage) and settings["max_position"]:
+            for model in p.models:
+                positions = model_architecture(p, model).get("max_position_embeddings")
+                if positions is not None and settings["max_position"] > positions:
+                    raise ConfigError(_key(p, v, section, "max_position"),
+                                      f"{settings['max_position']} is beyond model '{model}''s {positions} positions")
     if p.trained(v, "transfer_lora") and lora["objective"] == "distill" and hybrid["formulation"] == "window":
         raise ConfigError(_key(p, v, "lora", "objective"), "a window-only variant has no hybrid layers to distill")
     if "base_lora" in p.stages and p.lora("base_lora")["objective"] != "instruct":

@@ -28,6 +28,7 @@ from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
 from hybrid_llama.train.compute import autocast_active, pick_device, seed_everything
 from hybrid_llama.train.lora_objectives import DistillObjective, InstructObjective, TokenObjective
+from hybrid_llama.train.positions import check_max_position
 from hybrid_llama.train.settings import AdapterSettings, LoraSettings
 from hybrid_llama.train.trainer import fit
 
@@ -139,16 +140,21 @@ def run_finetune(
 
     model, targets, save = _lora_model(model_dir, s.adapter, hcfg, hybrid_layers, dtype, device)
     bs = int(s.loop.batch_size)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    check_max_position(int(s.max_position), 1, positions, "lora.max_position")
+    shift = {"max_position": int(s.max_position), "seed": int(s.loop.seed)}
     objective: TokenObjective
     if s.objective == "distill":
         if hcfg is None:
             raise ValueError("lora.objective 'distill' trains a hybrid model towards its base model: give hybrid=")
         teacher, _ = load_base(model_dir, dtype=dtype, device=device)
         objective = DistillObjective(model, data_path, teacher.requires_grad_(False), eval_sequences=s.eval_sequences,
-                                     teacher_states=teacher_states, batch_size=bs, device=device, amp=amp)
+                                     teacher_states=teacher_states, batch_size=bs, device=device, amp=amp,
+                                     **shift)
     else:
         objective = InstructObjective(model, data_path, max_length=s.max_length,
-                                      max_val_examples=s.max_val_examples, batch_size=bs, device=device, amp=amp)
+                                      max_val_examples=s.max_val_examples, batch_size=bs, device=device, amp=amp,
+                                      **shift)
 
     result = fit(objective, s.loop, s.optimizer, out, callback)
 

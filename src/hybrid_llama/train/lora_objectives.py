@@ -24,6 +24,7 @@ from torch import nn
 from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.train.compute import autocast, autocast_active
 from hybrid_llama.train.errors import NonFiniteError
+from hybrid_llama.train.positions import position_ids, row_offsets
 from hybrid_llama.train.trainer import MicroLoss, Objective
 
 __all__ = ["TokenObjective", "InstructObjective", "DistillObjective"]
@@ -35,6 +36,8 @@ class TokenObjective(Objective):
     """A per-token loss of ``model`` (the peft-wrapped model; its parameters that require grad train).
 
     A subclass names its data (:meth:`split_rows`, :meth:`batch`) and its summed loss (:meth:`loss_sum`).
+    With ``max_position`` each training row runs at a randomly shifted start (``train.positions``);
+    validation rows start at 0.
     """
 
     name = "lora"
@@ -42,8 +45,10 @@ class TokenObjective(Objective):
     metric: str  # what the per-token loss is, for metrics.json
     teacher_forwards: int | None = None  # teacher forwards run, where there is a teacher
 
-    def __init__(self, model: nn.Module, *, batch_size: int, device: torch.device, amp: bool) -> None:
+    def __init__(self, model: nn.Module, *, batch_size: int, device: torch.device, amp: bool,
+                 max_position: int = 0, seed: int = 0) -> None:
         self.model, self.batch_size, self.device, self.amp = model, batch_size, device, amp
+        self.max_position, self.seed = max_position, seed
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.val_before: float | None = None
         self.val_per_epoch: list[float] = []
@@ -70,6 +75,10 @@ class TokenObjective(Objective):
 
     def loss(self, rows: list[int], step: int) -> MicroLoss:
         batch = self.batch("train", rows)
+        width = batch["input_ids"].shape[1]
+        offsets = row_offsets(rows, step, self.seed, width, self.max_position)
+        if offsets is not None:
+            batch["position_ids"] = position_ids(offsets, width, self.device)
         with autocast(self.device, self.amp):
             total, count = self.loss_sum(batch)
         loss = total / max(1, count)
@@ -126,8 +135,9 @@ class InstructObjective(TokenObjective):
     metric = "nll"
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, *, max_length: int | None,
-                 max_val_examples: int | None, batch_size: int, device: torch.device, amp: bool) -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp)
+                 max_val_examples: int | None, batch_size: int, device: torch.device, amp: bool,
+                 max_position: int = 0, seed: int = 0) -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
         self.splits = {"train": load_instruct(path, "train"), "val": load_instruct(path, "val")}
         if max_val_examples is not None:
             self.splits["val"] = {k: v[: int(max_val_examples)] for k, v in self.splits["val"].items()}
@@ -140,7 +150,8 @@ class InstructObjective(TokenObjective):
         return _trim({k: v[idx].to(self.device) for k, v in self.splits[split].items()}, self.max_length)
 
     def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            position_ids=batch.get("position_ids")).logits
         labels = batch["labels"][:, 1:]
         nll = F.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -161,8 +172,8 @@ class DistillObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
                  teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
-                 amp: bool) -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp)
+                 amp: bool, max_position: int = 0, seed: int = 0) -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
         rows = load_packed(path)
         k = int(eval_sequences)
         if not 1 <= k < len(rows):
@@ -196,7 +207,9 @@ class DistillObjective(TokenObjective):
                 states = self.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
                 self.teacher_forwards += 1
             target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
-        logp = torch.log_softmax(self.model(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+        # The teacher's targets are relative in position: a shifted student row keeps them.
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+        logp = torch.log_softmax(logits.float(), dim=-1)
         kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
         return kl, batch["input_ids"].numel()
 

@@ -159,6 +159,7 @@ class TransferSettings(_StageSettings):
     autocast: bool
     teacher_cache_gib: float
     teacher_states: bool
+    max_position: int
 
 
 @dataclass(frozen=True)
@@ -178,3 +179,4 @@ class LoraSettings(_StageSettings):
     device: str
     dtype: str
     autocast: bool
+    max_position: int

@@ -29,6 +29,7 @@ from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
 from hybrid_llama.train.compute import autocast, autocast_active, pick_device, seed_everything
 from hybrid_llama.train.errors import check_finite
+from hybrid_llama.train.positions import check_max_position, position_ids, row_offsets
 from hybrid_llama.train.settings import CORPUS_KEYS, TransferSettings
 from hybrid_llama.train.teacher_cache import TeacherCache, TeacherTap
 from hybrid_llama.train.teacher_states import save_teacher_states
@@ -43,10 +44,12 @@ TRAINABLE_PARTS = ("logits", "feature_map", "qkvo")
 QKVO = ("q_proj.", "k_proj.", "v_proj.", "o_proj.")
 
 
-def _student_out(student: nn.Module, inp: dict[str, Any]) -> torch.Tensor:
+def _student_out(student: nn.Module, inp: dict[str, Any],
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     # Students keep fp32 master weights; a bf16 teacher's activations are upcast (autocast on GPU recasts).
+    # ``rope``: the (cos, sin) of shifted positions, in place of the teacher's (max_position).
     dt = student.q_proj.weight.dtype
-    cos, sin = inp["position_embeddings"]
+    cos, sin = rope if rope is not None else inp["position_embeddings"]
     return student(
         hidden_states=inp["hidden_states"].to(dt),
         position_embeddings=(cos.to(dt), sin.to(dt)),
@@ -95,6 +98,8 @@ class AttentionTransfer(Objective):
 
     Held-out MSE is measured before training (``validate(0)``, kept in ``mse_before``) and after it
     (``heldout_mse``, by run_transfer), not between epochs: loss.csv holds the training MSEs only.
+    With ``max_position`` each training row's students see the RoPE angles of a randomly shifted
+    start (``train.positions``); the teacher's outputs, relative in position, stay the targets.
     """
 
     name = "transfer"
@@ -102,10 +107,11 @@ class AttentionTransfer(Objective):
 
     def __init__(self, students: nn.ModuleDict, named: list[tuple[str, nn.Parameter]], cache: TeacherCache,
                  train_rows: torch.Tensor, eval_rows: torch.Tensor, *, batch_size: int, device: torch.device,
-                 amp: bool) -> None:
+                 amp: bool, max_position: int = 0, seed: int = 0) -> None:
         self.students, self.named, self.cache = students, named, cache
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.batch_size, self.device, self.amp = batch_size, device, amp
+        self.max_position, self.seed = max_position, seed
         self.mse_before: dict[int, float] = {}
 
     @property
@@ -124,15 +130,23 @@ class AttentionTransfer(Objective):
         tap = self.cache.tap
         with autocast(self.device, self.amp):
             self.cache.run(rows, batch)
+            rope = self._shifted_rope(rows, step, tap.inputs[tap.layers[0]]["hidden_states"])
             total = 0.0
             logs = {}
             for i, s in self.students.items():
-                y = _student_out(s, tap.inputs[int(i)])
+                y = _student_out(s, tap.inputs[int(i)], rope)
                 mse = F.mse_loss(y.float(), tap.outputs[int(i)].float())
                 check_finite(mse, step, f"layer {i}")
                 logs[f"layer.{i}"] = mse.item()
                 total = total + mse
         return MicroLoss(total, batch.numel(), logs)
+
+    def _shifted_rope(self, rows: list[int], step: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        seq_len = self.train_rows.shape[1]
+        offsets = row_offsets(rows, step, self.seed, seq_len, self.max_position)
+        if offsets is None:
+            return None
+        return self.cache.tap.teacher.model.rotary_emb(like, position_ids(offsets, seq_len, like.device))
 
     def log_step(self, step: int, logs: dict[str, float]) -> list[tuple]:
         return [(step, int(key.split(".", 1)[1]), v) for key, v in logs.items() if key.startswith("layer.")]
@@ -208,13 +222,16 @@ def run_transfer(
     students.train()
     named = _select_trainable(students, s.trainable)
     train_rows, eval_rows = _split_rows(packed_path, s.eval_path, s.eval_sequences)
+    check_max_position(int(s.max_position), train_rows.shape[1], getattr(teacher.config, "max_position_embeddings", None),
+                       "transfer.max_position")
     bs = int(s.loop.batch_size)
 
     tap = TeacherTap(teacher, hcfg.layers)
     # Only a second epoch reads a cached row again.
     cache_bytes = float(s.teacher_cache_gib) * 2**30 if int(s.loop.epochs) > 1 else 0.0
     cache = TeacherCache(tap, len(train_rows), cache_bytes, final_states=bool(s.teacher_states))
-    objective = AttentionTransfer(students, named, cache, train_rows, eval_rows, batch_size=bs, device=device, amp=amp)
+    objective = AttentionTransfer(students, named, cache, train_rows, eval_rows, batch_size=bs, device=device, amp=amp,
+                                  max_position=int(s.max_position), seed=int(s.loop.seed))
     try:
         result = fit(objective, s.loop, s.optimizer, out, callback)
         students.eval()
