@@ -21,7 +21,8 @@ def check_max_position(max_position: int, seq_len: int, model_positions: int | N
     if max_position == 0:
         return
     if max_position < seq_len:
-        raise ValueError(f"{key}={max_position} is shorter than a training row ({seq_len} tokens); use 0 or >= {seq_len}")
+        raise ValueError(f"{key}={max_position} is shorter than a training row ({seq_len} tokens); "
+                         f"use 0 or >= {seq_len}")
     if model_positions is not None and max_position > model_positions:
         raise ValueError(f"{key}={max_position} exceeds the model's {model_positions} positions")
 

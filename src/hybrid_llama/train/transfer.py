@@ -222,8 +222,8 @@ def run_transfer(
     students.train()
     named = _select_trainable(students, s.trainable)
     train_rows, eval_rows = _split_rows(packed_path, s.eval_path, s.eval_sequences)
-    check_max_position(int(s.max_position), train_rows.shape[1], getattr(teacher.config, "max_position_embeddings", None),
-                       "transfer.max_position")
+    positions = getattr(teacher.config, "max_position_embeddings", None)
+    check_max_position(int(s.max_position), train_rows.shape[1], positions, "transfer.max_position")
     bs = int(s.loop.batch_size)
 
     tap = TeacherTap(teacher, hcfg.layers)
