@@ -337,3 +337,45 @@ def test_zeroshot_jobs_are_base_and_the_named_variants_final_stages():
         q.config["data"][name]["source"] = "hf"
     with pytest.raises(ConfigError, match=r"zeroshot\.source.*piqa/valid\.jsonl"):
         q.check()
+
+
+def test_mcnemar_and_bootstrap_against_independent_references():
+    """McNemar's exact p equals scipy's two-sided binomial test on the discordant examples; the
+    bootstrap's interval of a large sample's mean matches the normal interval."""
+    import numpy as np
+
+    from hybrid_llama.eval.paired_stats import bootstrap_mean_ci, mcnemar_exact
+
+    stats = pytest.importorskip("scipy.stats")
+    for gained, lost in [(0, 0), (3, 0), (7, 2), (10, 10), (1, 12), (40, 25)]:
+        want = 1.0 if gained + lost == 0 else stats.binomtest(gained, gained + lost, 0.5).pvalue
+        assert mcnemar_exact(gained, lost) == pytest.approx(want, rel=1e-9)
+    d = np.random.default_rng(1).choice([-1.0, 0.0, 0.0, 0.0, 1.0, 1.0], size=4000)
+    lo, hi = bootstrap_mean_ci([d], resamples=4000)
+    se = d.std(ddof=1) / np.sqrt(d.size)
+    assert lo == pytest.approx(d.mean() - 1.96 * se, abs=0.15 * se)
+    assert hi == pytest.approx(d.mean() + 1.96 * se, abs=0.15 * se)
+    # stratified: two tasks weigh equally whatever their sizes
+    lo2, hi2 = bootstrap_mean_ci([np.ones(10), np.zeros(1000)])
+    assert lo2 == pytest.approx(0.5) and hi2 == pytest.approx(0.5)
+    assert bootstrap_mean_ci([d]) == bootstrap_mean_ci([d])
+
+
+def test_suite_verdicts_are_mcnemar_per_task_and_the_bootstrap_for_the_average():
+    from hybrid_llama.report.zeroshot import compare
+
+    n = 60
+    base = {t: [int(i % 2 == 0) for i in range(n)] for t in LOLCATS_METRICS}
+    var = {t: list(xs) for t, xs in base.items()}
+    for i in range(0, 16, 2):  # 8 of base's right answers lost on PIQA, none gained: p = 2 / 2**8
+        var["piqa"][i] = 0
+    c = compare(_result(var), _result(base))
+    piqa = c["tasks"]["piqa"]["acc"]
+    assert piqa["p_mcnemar"] == pytest.approx(2 / 2**8) and piqa["significant"]
+    assert piqa["ci95"][1] < 0
+    s = c["suite"]
+    lo, hi = s["ci95"]
+    assert lo < s["diff"] < hi and hi < 0 and s["significant"]
+    var["piqa"][1] = 1  # one gained back: still 8 lost vs 1 gained
+    assert compare(_result(var), _result(base))["tasks"]["piqa"]["acc"]["p_mcnemar"] == pytest.approx(
+        2 * 10 / 2**9)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybrid_llama.eval.paired_stats import bootstrap_mean_ci, mcnemar_exact
 from hybrid_llama.files import atomic_path
 
 PERPLEXITY_COLUMNS = ("stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls")
@@ -194,7 +195,9 @@ def paired_difference(result_a: dict, result_b: dict, *, metric: str = "acc") ->
 def paired_scores(a: dict[Any, float], b: dict[Any, float]) -> dict:
     """Mean score of a minus b over the keys (items) both scored, with the paired statistics of
     ``paired_difference`` (n, acc_a, acc_b, diff, stderr_a/b/paired/unpaired, n_discordant,
-    significant); raises ValueError when they share no item."""
+    significant: |diff| > 2 paired stderr), the paired bootstrap's 95 % interval of diff (``ci95``)
+    and, for right/wrong scores, McNemar's exact p-value (``p_mcnemar``, else None); raises
+    ValueError when they share no item."""
     common = sorted(set(a) & set(b), key=repr)
     if not common:
         raise ValueError("the two results share no items")
@@ -217,6 +220,10 @@ def paired_scores(a: dict[Any, float], b: dict[Any, float]) -> dict:
         "stderr_unpaired": math.sqrt(se_a**2 + se_b**2),
         "n_discordant": sum(1 for x in d if x != 0),  # items exactly one of the two got right
         "significant": bool(abs(diff) > 2 * se_d) if not math.isnan(se_d) else False,
+        "ci95": bootstrap_mean_ci([d]),
+        # right/wrong scores: McNemar's exact test on the discordant items
+        "p_mcnemar": (mcnemar_exact(sum(1 for x in d if x > 0), sum(1 for x in d if x < 0))
+                      if set(xa) | set(xb) <= {0.0, 1.0} else None),
     }
 
 

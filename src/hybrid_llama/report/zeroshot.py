@@ -1,12 +1,14 @@
 """The zero-shot suite in the report: each stage against base on the same examples, the six-task
 average as a percentage of base's (as the linearization papers report it), and the table per task.
 
-Every comparison is paired: both stages scored the same examples (``eval.zeroshot.sample_doc_ids``),
-so a task's difference is the mean per-example difference with its paired stderr
-(``eval.tables.paired_scores``, the rule MMLU uses: significant when |Δ| > 2 paired stderr). The
-six-task average is the plain mean of the tasks' scores (LoLCATs' metric per task), so its
-difference is the mean of the tasks' differences and, the tasks being independent samples, its
-stderr is sqrt(sum of the tasks' squared paired stderrs) / 6.
+Every comparison is paired: both stages scored the same examples (``eval.zeroshot.sample_doc_ids``).
+A task's difference is the mean per-example difference (``eval.tables.paired_scores``) with its
+paired stderr, its paired-bootstrap 95 % interval, and McNemar's exact test on the examples exactly
+one of the two got right; the task's verdict is McNemar's (significant at p < 0.05). The six-task
+average is the plain mean of the tasks' scores (LoLCATs' metric per task), so its difference is the
+mean of the tasks' differences; its stderr is sqrt(sum of the tasks' squared paired stderrs) / 6
+(the tasks are independent samples) and its interval a stratified paired bootstrap (examples
+resampled within each task), significant when the interval excludes 0.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from hybrid_llama.eval.paired_stats import bootstrap_mean_ci
 from hybrid_llama.eval.tables import paired_scores
 from hybrid_llama.eval.zeroshot import LOLCATS_METRICS, METRICS, SUITE, beyond_window
 from hybrid_llama.names import SHARED_STAGES, STAGES
@@ -60,7 +63,10 @@ def compare(result: dict, base: dict) -> dict:
                 continue
             a, b = scores(result, task, metric), scores(base, task, metric)
             if set(a) & set(b):
-                tasks.setdefault(task, {})[metric] = paired_scores(a, b)
+                d = paired_scores(a, b)
+                if d["p_mcnemar"] is not None:
+                    d["significant"] = d["p_mcnemar"] < 0.05
+                tasks.setdefault(task, {})[metric] = d
     six = [tasks.get(t, {}).get(m) for t, m in LOLCATS_METRICS.items()]
     if any(d is None for d in six):
         return {"tasks": tasks, "suite": None}
@@ -68,11 +74,18 @@ def compare(result: dict, base: dict) -> dict:
     avg_a, avg_b = sum(d["acc_a"] for d in six) / k, sum(d["acc_b"] for d in six) / k
     se = math.sqrt(sum(d["stderr_paired"] ** 2 for d in six)) / k
     diff = avg_a - avg_b
-    suite = {"avg": avg_a, "avg_base": avg_b, "diff": diff, "stderr": se, "n_tasks": k,
+    lo, hi = bootstrap_mean_ci([_differences(result, base, t, m) for t, m in LOLCATS_METRICS.items()])
+    suite = {"avg": avg_a, "avg_base": avg_b, "diff": diff, "stderr": se, "n_tasks": k, "ci95": (lo, hi),
              "pct_of_base": 100 * avg_a / avg_b if avg_b else math.nan,
              "pct_stderr": 100 * se / avg_b if avg_b else math.nan,
-             "significant": bool(abs(diff) > 2 * se) if se > 0 else diff != 0}
+             "significant": bool(lo > 0 or hi < 0)}
     return {"tasks": tasks, "suite": suite}
+
+
+def _differences(result: dict, base: dict, task: str, metric: str) -> list[float]:
+    """The per-example score differences to base on the examples both scored."""
+    a, b = scores(result, task, metric), scores(base, task, metric)
+    return [a[k] - b[k] for k in sorted(set(a) & set(b), key=repr)]
 
 
 def suite_average(result: dict) -> float:
@@ -92,8 +105,8 @@ def _pct(x: float, se: float | None = None) -> str:
 def tables(results: dict[Key, dict], windows: dict[str, int], default_window: int) -> list[dict]:
     """One table per (model, device): rows = task x metric (then the six-task average), columns =
     base and each measured stage. Base cells give lm-eval's accuracy ± stderr; the others the
-    accuracy and the paired difference to base in points, marked "within noise" unless |Δ| > 2
-    paired stderr. The last column is the share of the task's tokens beyond the softmax window."""
+    accuracy and the paired difference to base in points, marked "within noise" unless McNemar's
+    test (accuracies) or |Δ| > 2 paired stderr (other scores) says otherwise. The last column is the share of the task's tokens beyond the softmax window."""
     groups: dict[tuple[str, str], dict[Key, dict]] = {}
     for key in sorted(results, key=_order):
         groups.setdefault((key[0], key[2]), {})[key] = results[key]
@@ -145,17 +158,25 @@ def _cell(result: dict, delta: dict | None, task: str, metric: str) -> dict:
         return {"text": text, "css": "", "title": f"{metric} in %, ± lm-eval's stderr"}
     verdict = "significant" if d["significant"] else "within noise"
     css = ("better sig" if d["diff"] > 0 else "worse sig") if d["significant"] else ""
+    test = "" if d["p_mcnemar"] is None else f", McNemar p = {d['p_mcnemar']:.2g}"
     return {"text": f"{text} (Δ {plus_minus(100 * d['diff'], 100 * d['stderr_paired'], 1)}, {verdict})", "css": css,
-            "title": f"{d['n']} examples paired with base; {d['n_discordant']} scored differently"}
+            "title": f"{d['n']} examples paired with base; {d['n_discordant']} scored differently; "
+                     f"95 % paired-bootstrap interval of Δ {_interval(d['ci95'])} points{test}"}
+
+
+def _interval(ci: tuple[float, float]) -> str:
+    return f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
 def _suite_cell(s: dict) -> dict:
     verdict = "significant" if s["significant"] else "within noise"
     css = ("better sig" if s["diff"] > 0 else "worse sig") if s["significant"] else ""
     return {"text": f"{_pct(s['avg'])} = {s['pct_of_base']:.1f} % of base "
-                    f"(Δ {plus_minus(100 * s['diff'], 100 * s['stderr'], 1)} points, {verdict})",
+                    f"(Δ {plus_minus(100 * s['diff'], 100 * s['stderr'], 1)} points, 95 % {_interval(s['ci95'])}, "
+                    f"{verdict})",
             "css": css, "title": f"six-task average {100 * s['avg']:.2f} vs base {100 * s['avg_base']:.2f}; "
-                                 f"± the paired stderr of the average's difference"}
+                                 f"± the paired stderr of the average's difference; the interval is a paired "
+                                 f"bootstrap stratified by task"}
 
 
 def headline_cell(results: dict[Key, dict], model: str, device: str, slot: str, stage: str) -> dict | None:
@@ -172,7 +193,8 @@ def headline_cell(results: dict[Key, dict], model: str, device: str, slot: str, 
     s = compare(own, base)["suite"] if base is not None else None
     if s is None:
         return {"text": "–", "title": "no base result on the same examples", "css": "", "note": "", "value": None}
-    note = f"Δ {plus_minus(100 * s['diff'], 100 * s['stderr'], 1)} pts" + ("" if s["significant"] else ", within noise")
+    note = (f"Δ {plus_minus(100 * s['diff'], 100 * s['stderr'], 1)} pts, 95 % {_interval(s['ci95'])}"
+            + ("" if s["significant"] else ", within noise"))
     css = ("better sig" if s["diff"] > 0 else "worse sig") if s["significant"] else ""
     return {"text": f"{s['pct_of_base']:.1f} % of base", "css": css, "note": note, "value": s["pct_of_base"],
             "title": f"six-task average {100 * s['avg']:.1f} % vs base {100 * s['avg_base']:.1f} %; ± paired stderr "
