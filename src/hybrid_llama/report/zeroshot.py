@@ -106,7 +106,8 @@ def tables(results: dict[Key, dict], windows: dict[str, int], default_window: in
     """One table per (model, device): rows = task x metric (then the six-task average), columns =
     base and each measured stage. Base cells give lm-eval's accuracy ± stderr; the others the
     accuracy and the paired difference to base in points, marked "within noise" unless McNemar's
-    test (accuracies) or |Δ| > 2 paired stderr (other scores) says otherwise. The last column is the share of the task's tokens beyond the softmax window."""
+    test (accuracies) or |Δ| > 2 paired stderr (other scores) says otherwise. The last column is the
+    share of the task's tokens beyond the softmax window."""
     groups: dict[tuple[str, str], dict[Key, dict]] = {}
     for key in sorted(results, key=_order):
         groups.setdefault((key[0], key[2]), {})[key] = results[key]
