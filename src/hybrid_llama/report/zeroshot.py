@@ -57,12 +57,14 @@ def compare(result: dict, base: dict) -> dict:
     """Per task and metric the paired difference to base; the six-task average of both, its paired
     difference and stderr, and the stage's average as a percentage of base's."""
     tasks: dict[str, dict] = {}
+    diffs: dict[tuple[str, str], list[float]] = {}  # per-example differences, for the suite's bootstrap
     for task in SUITE:
         for metric in METRICS[task]:
             if metric == "perplexity":
                 continue
             a, b = scores(result, task, metric), scores(base, task, metric)
             if set(a) & set(b):
+                diffs[task, metric] = [a[k] - b[k] for k in sorted(set(a) & set(b), key=repr)]
                 d = paired_scores(a, b)
                 if d["p_mcnemar"] is not None:
                     d["significant"] = d["p_mcnemar"] < 0.05
@@ -74,18 +76,12 @@ def compare(result: dict, base: dict) -> dict:
     avg_a, avg_b = sum(d["acc_a"] for d in six) / k, sum(d["acc_b"] for d in six) / k
     se = math.sqrt(sum(d["stderr_paired"] ** 2 for d in six)) / k
     diff = avg_a - avg_b
-    lo, hi = bootstrap_mean_ci([_differences(result, base, t, m) for t, m in LOLCATS_METRICS.items()])
+    lo, hi = bootstrap_mean_ci([diffs[t, m] for t, m in LOLCATS_METRICS.items()])
     suite = {"avg": avg_a, "avg_base": avg_b, "diff": diff, "stderr": se, "n_tasks": k, "ci95": (lo, hi),
              "pct_of_base": 100 * avg_a / avg_b if avg_b else math.nan,
              "pct_stderr": 100 * se / avg_b if avg_b else math.nan,
              "significant": bool(lo > 0 or hi < 0)}
     return {"tasks": tasks, "suite": suite}
-
-
-def _differences(result: dict, base: dict, task: str, metric: str) -> list[float]:
-    """The per-example score differences to base on the examples both scored."""
-    a, b = scores(result, task, metric), scores(base, task, metric)
-    return [a[k] - b[k] for k in sorted(set(a) & set(b), key=repr)]
 
 
 def suite_average(result: dict) -> float:
