@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", default=None, help="also write tables and ratios to this JSON file")
+    ap.add_argument("--csv", default=None, help="also write the rows as the pipeline's throughput CSV")
     args = ap.parse_args(argv)
 
     from hybrid_llama.runtime import keep_freed_memory
@@ -216,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
                 default=str,
             )
         print(f"wrote {args.json}")
+    if args.csv:
+        import pandas as pd
+
+        rows = prefill if decode is prefill else pd.concat([prefill, decode], ignore_index=True)
+        rows.to_csv(args.csv, index=False)
+        print(f"wrote {args.csv}")
     return 0
 
 

@@ -329,10 +329,21 @@ def test_bench_model_ratios_and_goals(tmp_path):
         "--base-softmax-layers",
         "--json",
         str(out),
+        "--csv",
+        str(tmp_path / "throughput.csv"),
     ]
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["layers"] == [0, 2]  # "even" layers of the 4-layer tiny model
+    # the CSV holds both sweeps' rows and draws with the report's own throughput plot
+    import pandas as pd
+
+    from hybrid_llama.report.plots import plot_throughput
+
+    csv = pd.read_csv(tmp_path / "throughput.csv")
+    assert len(csv) == len(res["prefill"]) + len(res["decode"])
+    assert {"variant", "seq_len", "phase", "tokens_per_s", "cache_bytes"} <= set(csv.columns)
+    assert all(p.stat().st_size > 0 for p in plot_throughput(tmp_path / "throughput.csv", tmp_path / "plot"))
 
     def pick(table, variant, seq_len, phase, col):
         (row,) = [r for r in res[table] if (r["variant"], r["seq_len"], r["phase"]) == (variant, seq_len, phase)]
