@@ -341,6 +341,23 @@ def test_derived_variant_errors_name_the_key(mutate, key, needle):
     assert err.value.key == key
 
 
+def test_throughput_variants_names_whom_to_time_and_brings_their_twins():
+    """A named variant is timed with every variant of the same hybrid settings (measured once, so
+    free); the others are not, and the long lengths may only name timed variants."""
+    twin = {"name": "twin", "from": "v", "hybrid": {"sparse_cache": 16, "sinks": 2}, "lora": {"lr": 0.01}}
+    cfg = {**DERIVED, "variants": [*DERIVED["variants"], twin, {"name": "other", "hybrid": {"layers": [0]}}]}
+    assert make(cfg).throughput_variants() == ["v", "cache", "cache_ft", "twin", "other"]  # null: every trained one
+    wf = make(cfg, throughput={"variants": ["recommended"], "long": {"variants": ["recommended"]}}, recommended="cache")
+    wf.check()
+    assert wf.throughput_variants() == ["cache", "twin"]  # twin: other weights, the same hybrid settings
+    assert make(cfg, throughput={"variants": ["other"]}).throughput_variants() == ["other"]
+    for settings, key in [({"variants": ["nope"]}, "throughput.variants[0]"),
+                          ({"variants": ["other"], "long": {"variants": ["v"]}}, "throughput.long.variants")]:
+        with pytest.raises(ConfigError) as err:
+            make(cfg, throughput=settings).check()
+        assert err.value.key == key
+
+
 @pytest.mark.parametrize("value", [-1, 2.5, "8"])
 def test_sparse_cache_must_be_a_non_negative_integer(value):
     cfg = json.loads(json.dumps(DERIVED))

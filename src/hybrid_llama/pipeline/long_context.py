@@ -89,6 +89,9 @@ def check_long_context(p: Pipeline) -> None:
     unknown = [v for v in throughput_long(p)["variants"] if v not in p.variants]
     if unknown:
         raise ConfigError("throughput.long.variants", f"{unknown} name no variant (variants: {sorted(p.variants)})")
+    untimed = [v for v in throughput_long(p)["variants"] if v not in p.throughput_variants()]
+    if untimed:
+        raise ConfigError("throughput.long.variants", f"{untimed} are not timed at all (throughput.variants)")
     known = {*p.variants, *SHARED_STAGES, "recommended"}
     for kind in LONG_CONTEXT_KINDS:
         unknown = [s for s in p.config["quality"]["long_context"]["slots"][kind] if s not in known]

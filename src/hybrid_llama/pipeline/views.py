@@ -240,9 +240,16 @@ class Pipeline:
         return list(dict.fromkeys(self.transfer_owner(v) for v in self.variants if self.trained(v, "transfer")))
 
     def throughput_variants(self) -> list[str]:
-        """The variants whose speed is measured: the trained ones and those derived from them (an
-        untrained control only shows quality), or every variant when none trains."""
-        return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
+        """The variants whose speed is measured: those named by ``throughput.variants`` with the ones
+        that share their hybrid settings (timed once, so free), else the trained ones and those derived
+        from them (an untrained control only shows quality), or every variant when none trains."""
+        named = self.config["throughput"].get("variants")
+        if named is None:
+            return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
+        rec = self.config.get("recommended")
+        chosen = {rec if v == "recommended" else v for v in named}
+        settings = {repr(sorted(self.hybrid(v).items())) for v in chosen if v in self.variants}
+        return [v for v in self.variants if v in chosen or repr(sorted(self.hybrid(v).items())) in settings]
 
     def export_slots(self) -> list[tuple[str, str]]:
         """(variant, stage) of every exported model: each variant that trains (or derives from one

@@ -134,7 +134,7 @@ def _speed_cells(rows: list[dict] | None, slot: str, length: int | None, href_sp
     table = speed_table(rows)
     labels = sorted({r["variant"] for r in rows if r["slot"] == slot})
     if not labels:
-        why = f"'{slot}' is not in the throughput file (untrained controls are not timed)"
+        why = f"'{slot}' is not in the throughput file (untrained controls are not timed; throughput.variants)"
         return [missing(href_speed, why), missing(href_speed, why), missing(href_cache, why)]
     cells = []
     for phase in ("prefill", "decode"):
