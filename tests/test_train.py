@@ -649,6 +649,24 @@ def test_cpu_autocast_follows_native_bf16(monkeypatch, native):
     assert compute.autocast_active(cpu, True) is native and compute.autocast_active(cpu, False) is False
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_eval_dtype_bf16_if_native_follows_the_device(monkeypatch, tiny_model_dir, native):
+    """Evaluations with dtype 'bfloat16_if_native' load the stage in bf16 on a CPU with native bf16
+    products and on CUDA, in fp32 on any other CPU."""
+    import hybrid_llama.runtime as runtime
+    from hybrid_llama.stages import load_stage
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native)
+    want = torch.bfloat16 if native else torch.float32
+    assert runtime.resolve_dtype("bfloat16_if_native", "cpu") is want
+    assert runtime.resolve_dtype("bfloat16_if_native", torch.device("cpu")) is want
+    assert runtime.resolve_dtype("bfloat16_if_native", "cuda:0") is torch.bfloat16
+    assert runtime.resolve_dtype("float32", "cuda") is torch.float32
+    model, _ = load_stage(tiny_model_dir, "base", device="cpu", dtype="bfloat16_if_native")
+    assert next(model.parameters()).dtype is want
+    assert next(runtime.for_eval(model.float(), "cpu", "bfloat16_if_native").parameters()).dtype is want
+
+
 def test_cpu_bf16_sparse_cache_transfer_and_distill(monkeypatch, lively_dir, corpus, tmp_path):
     """The cache-active recipe under CPU bf16 autocast, against the same run in fp32: transfer saves
     teacher states marked autocast, distillation reads them (the teacher runs for validation only),

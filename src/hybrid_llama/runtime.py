@@ -3,11 +3,38 @@ the workflow imports this package's tables at parse time)."""
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+# CPU flags (Linux /proc/cpuinfo names) of instructions that multiply bf16 natively. Without them
+# oneDNN emulates bf16 on wider units: no reason to expect a gain, and precision is lost.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# The dtype name that means bf16 where the device multiplies it natively and fp32 elsewhere: the
+# rule training's autocast follows, for evaluations (config quality/mmlu/zeroshot ``dtype``).
+BF16_IF_NATIVE = "bfloat16_if_native"
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX); False where the flags
+    cannot be read (not Linux), so such machines keep fp32."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
+
+
+def multiplies_bf16_natively(device: Any = None) -> bool:
+    """CUDA devices do; a CPU (``device`` None or 'cpu') does where ``cpu_has_native_bf16``."""
+    kind = str(device or "cpu").split(":", 1)[0]
+    return kind == "cuda" or (kind == "cpu" and cpu_has_native_bf16())
 
 
 def keep_freed_memory() -> bool:
@@ -36,12 +63,15 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_trim_threshold, 2**31 - 1)) and bool(mallopt(m_mmap_max, 0))
 
 
-def resolve_dtype(dtype: Any) -> torch.dtype | None:
-    """A torch dtype from a name ('float32', 'bf16', 'torch.float16', ...), a dtype, or None/'auto' (None)."""
+def resolve_dtype(dtype: Any, device: Any = None) -> torch.dtype | None:
+    """A torch dtype from a name ('float32', 'bf16', 'torch.float16', ...), a dtype, or None/'auto'
+    (None). ``'bfloat16_if_native'`` is bf16 where ``device`` multiplies it natively, else fp32."""
     import torch
 
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == BF16_IF_NATIVE:
+        return torch.bfloat16 if multiplies_bf16_natively(device) else torch.float32
     name = str(dtype).removeprefix("torch.")
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}.get(name, name)
     if name is None:
@@ -54,7 +84,7 @@ def resolve_dtype(dtype: Any) -> torch.dtype | None:
 
 def for_eval(model, device: str, dtype: Any):
     """``model`` on ``device`` in ``dtype`` (None / 'auto': as it is), in eval mode, for scoring."""
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     model = model.to(device=device, dtype=torch_dtype) if torch_dtype else model.to(device)
     return model.eval()
 

@@ -101,7 +101,7 @@ def load_stage(
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter))
-    dt = resolve_dtype(dtype)
+    dt = resolve_dtype(dtype, device)
     if dt is not None or device is not None:
         model = model.to(device=device, dtype=dt)
     return model.eval(), tok
@@ -201,6 +201,7 @@ def load_stage_for_eval(
     meta = {
         **(labels or {}),
         "stage": stage,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "hybrid": hybrid,
         "model_hash": weights_hash(model_dir),
         "layers_hash": sha256_of(Path(hybrid_layers)) if hybrid_layers else None,

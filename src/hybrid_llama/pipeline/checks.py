@@ -79,7 +79,8 @@ def check_config(p: Pipeline) -> None:
     rec = p.config.get("recommended")
     for i, v in enumerate(p.config["throughput"].get("variants") or []):
         if (v == "recommended" and not rec) or (v != "recommended" and v not in p.variants):
-            raise ConfigError(f"throughput.variants[{i}]", f"'{v}' is not a variant of this config ({list(p.variants)})")
+            raise ConfigError(f"throughput.variants[{i}]",
+                              f"'{v}' is not a variant of this config ({list(p.variants)})")
     check_long_context(p)
 
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["pick_device", "autocast", "autocast_active", "cpu_has_native_bf16", "seed_everything"]
+from hybrid_llama.runtime import cpu_has_native_bf16
 
-# CPU flags (Linux /proc/cpuinfo names) of instructions that multiply bf16 natively. Without them
-# oneDNN emulates bf16 on wider units: no reason to expect a gain, and precision is lost.
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+__all__ = ["pick_device", "autocast", "autocast_active", "cpu_has_native_bf16", "seed_everything"]
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -22,18 +18,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-@functools.cache
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX); False where the flags
-    cannot be read (not Linux), so such machines keep fp32."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
 
 
 def autocast_active(device: torch.device, enabled: bool = True) -> bool:
