@@ -111,3 +111,49 @@ def test_torch_path_where_the_kernel_does_not_apply(native_calls, monkeypatch):
         hybrid_attention(q.requires_grad_(), k, v, wl, ll, **kw)
     assert native_calls["ran"] == 1  # only `on`
     torch.testing.assert_close(on, off, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+def test_native_close_keeps_the_torch_close_keys(fmap):
+    """One block close in C (``hybrid_sparse_close_f32``) against ``close_block`` with the ``sre``
+    score: a cache with empty slots, candidates that tie exactly (block keys copied from cached
+    ones: the earlier candidate stays), the same kept keys, positions and validity, S and z to fp32
+    rounding."""
+    from hybrid_llama.ops.feature_maps import resolve_qk_maps
+    from hybrid_llama.ops.native.bindings import pointers, prefill_maps, strides3
+    from hybrid_llama.ops.sparse.eviction import close_block, gather_slots
+
+    B, H, Hk, D, w, lam, block = 2, 4, 2, 64, 8, 12, 40
+    q, k, v, _, _, feature = problem(B, H, Hk, 64, D, fmap, seed=5)
+    k, v = k.contiguous().clone(), v.contiguous().clone()
+    map_code, weights, F = prefill_maps(feature, H, Hk, D)
+    phi_k = resolve_qk_maps(feature)[1]
+    g = torch.Generator().manual_seed(6)
+    cache_k, cache_v = torch.randn(B, Hk, lam, D, generator=g), torch.randn(B, Hk, lam, D, generator=g)
+    cache_pos = torch.arange(lam).repeat(B, Hk, 1) * 3
+    cache_ok = torch.rand(B, Hk, lam, generator=g) > 0.3
+    k[:, :, block + 1], v[:, :, block + 1] = cache_k[:, :, 2], cache_v[:, :, 2]  # an exact tie with slot 2
+    cache_ok[:, :, 2] = True
+    fk = phi_k(torch.randn(B, Hk, 30, D, generator=g))
+    S, z = fk.transpose(-1, -2) @ torch.randn(B, Hk, 30, D, generator=g), fk.sum(2)
+    with torch.no_grad():
+        cand_k = torch.cat([cache_k, k[:, :, block:block + w]], 2)
+        cand_v = torch.cat([cache_v, v[:, :, block:block + w]], 2)
+        cand_pos = torch.cat([cache_pos, torch.arange(block, block + w).expand(B, Hk, -1)], -1)
+        cand_ok = torch.cat([cache_ok, torch.ones(B, Hk, w, dtype=torch.bool)], -1)
+        keep, want_ok, want_S, want_z = close_block("sre", cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k)
+    got = [t.clone() for t in (cache_k, cache_v, cache_pos, cache_ok, S, z)]
+    (k_b, k_h, k_t), (v_b, v_h, v_t) = strides3(k), strides3(v)
+    work = torch.empty(cpu_sparse.CLOSE_WORKSPACE(B=B, Hk=Hk, D=D, F=F, w=w, lam=lam))
+    wk, bk = pointers(*weights[2:])
+    assert cpu_sparse.CLOSE(
+        B=B, Hk=Hk, D=D, F=F, w=w, lam=lam, map=map_code, block=block, threads=2, k=k.data_ptr(), k_b=k_b,
+        k_h=k_h, k_t=k_t, v=v.data_ptr(), v_b=v_b, v_h=v_h, v_t=v_t, cache_k=got[0].data_ptr(),
+        cache_v=got[1].data_ptr(), cache_pos=got[2].data_ptr(), cache_ok=got[3].data_ptr(), S=got[4].data_ptr(),
+        z=got[5].data_ptr(), wk=wk, bk=bk, work=work.data_ptr()) == 0
+    assert torch.equal(got[2], cand_pos.gather(-1, keep)) and torch.equal(got[3], want_ok)
+    assert torch.equal(got[0], gather_slots(cand_k, keep)) and torch.equal(got[1], gather_slots(cand_v, keep))
+    kept_copy, kept_slot = (keep == lam + 1).any(-1), (keep == 2).any(-1)
+    assert not (kept_copy & ~kept_slot).any()  # the tie: the block's copy never stays without the earlier slot
+    torch.testing.assert_close(got[4], want_S, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[5], want_z, atol=1e-5, rtol=1e-5)

@@ -41,7 +41,7 @@ STALE_TMP_S, STALE_BUILD_S = 3600, 30 * 86400
 KERNEL_TYPES = {
     "int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
     "const float *": ctypes.c_void_p, "float *": ctypes.c_void_p, "unsigned char *": ctypes.c_void_p,
-    "const unsigned char *": ctypes.c_void_p, "const long long *": ctypes.c_void_p,
+    "const unsigned char *": ctypes.c_void_p, "const long long *": ctypes.c_void_p, "long long *": ctypes.c_void_p,
 }
 
 

@@ -30,6 +30,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -987,6 +988,131 @@ int softmax_decode_f32(int B, int H, int Hk, int D, long long L, long long chunk
             #pragma omp simd
             for (int d = 0; d < D; d++) o[d] *= inv;
         }
+    }
+    return 0;
+}
+
+/* The sparse cache's block close, as ops/sparse/eviction.close_block with the 'sre' score: the lam
+ * cached keys and the w keys of the block at [block, block + w) compete; each valid candidate scores
+ * ||v - phi(k) S / (phi(k) . z + SRE_EPS)||; the lam best stay (ties: the earlier candidate), in
+ * position order with empty slots last, and the other valid ones fold into S [F, D] and z [F].
+ * cache_k/v [B, Hk, lam, D], cache_pos/ok [B, Hk, lam], S, z are updated in place. */
+enum { CLOSE_MAX_N = 2 * MAX_W };
+static const float SRE_EPS = 1e-6f;
+
+/* A candidate: its score, its index (cache slots, then the block), the position it sorts by (empty
+ * slots: last) and the position its slot records. */
+typedef struct { float score; int index; long long pos, slot_pos; } close_rank;
+
+static int by_score(const void *a, const void *b) {  /* descending score, then ascending index */
+    const close_rank *x = a, *y = b;
+    if (x->score != y->score) return x->score > y->score ? -1 : 1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+static int by_position(const void *a, const void *b) {  /* ascending position (empty: last), then index */
+    const close_rank *x = a, *y = b;
+    if (x->pos != y->pos) return x->pos < y->pos ? -1 : 1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+static long long close_floats_per_head(int D, int F, int w, int lam) {
+    const long long n = (long long)lam + w;
+    /* phi and phi S of every candidate, the kept rows' k and v (rounded to 16-byte units), the ranks */
+    const long long rows = (n * F + n * D + 2LL * lam * D + 3) / 4 * 4;
+    return rows + n * (long long)((sizeof(close_rank) + sizeof(float) - 1) / sizeof(float));
+}
+
+long long hybrid_sparse_close_workspace(int B, int Hk, int D, int F, int w, int lam) {
+    return (long long)B * Hk * close_floats_per_head(D, F, w, lam);
+}
+
+int hybrid_sparse_close_f32(int B, int Hk, int D, int F, int w, int lam, int map, long long block, int threads,
+                            const float *k, long long k_b, long long k_h, long long k_t,
+                            const float *v, long long v_b, long long v_h, long long v_t,
+                            float *cache_k, float *cache_v, long long *cache_pos, unsigned char *cache_ok,
+                            float *S, float *z, const float *wk, const float *bk, float *work) {
+    if (B < 1 || Hk < 1 || D < TILE || D > MAX_D || D % TILE || F < 1 || F > MAX_F || w < 1 || lam < 0 || block < 0
+        || threads < 1 || lam + w > CLOSE_MAX_N)
+        return -1;
+    if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2 || !wk || !bk))
+        return -1;
+    const int n = lam + w, BH = B * Hk;
+    const long long LONG_MAX_POS = 0x7fffffffffffffffLL;
+
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int bh = 0; bh < BH; bh++) {
+        const int bi = bh / Hk, kh = bh % Hk;
+        float *phi = work + (size_t)bh * close_floats_per_head(D, F, w, lam);
+        float *num = phi + (size_t)n * F, *new_k = num + (size_t)n * D, *new_v = new_k + (size_t)lam * D;
+        close_rank *rank = (close_rank *)(phi + ((size_t)n * F + (size_t)n * D + 2 * (size_t)lam * D + 3) / 4 * 4);
+        float *ck = cache_k + (size_t)bh * lam * D, *cv = cache_v + (size_t)bh * lam * D;
+        long long *cpos = cache_pos + (size_t)bh * lam;
+        unsigned char *cok = cache_ok + (size_t)bh * lam;
+        float *Sh = S + (size_t)bh * F * D, *zh = z + (size_t)bh * F;
+        const float *W = map == MAP_HEDGEHOG ? wk + (size_t)kh * D * (F / 2) : NULL;
+        const float *bias = map == MAP_HEDGEHOG ? bk + (size_t)kh * (F / 2) : NULL;
+        for (int j = 0; j < n; j++) {
+            const float *kr = j < lam ? ck + (size_t)j * D : k + bi * k_b + kh * k_h + (block + j - lam) * k_t;
+            feature_map(map, D, F, kr, W, bias, phi + (size_t)j * F);
+        }
+        /* num = phi S for four candidates at a time: each row of S is loaded once for the four */
+        for (int j0 = 0; j0 < n; j0 += 4) {
+            const int m = n - j0 < 4 ? n - j0 : 4;
+            const float *wts[4];
+            float *dst[4];
+            for (int d0 = 0; d0 < D; d0 += TILE) {
+                for (int i = 0; i < m; i++) wts[i] = phi + (size_t)(j0 + i) * F, dst[i] = num + (size_t)(j0 + i) * D + d0;
+                rows_times_all(m, F, wts, Sh + d0, D, 1.0f, dst);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const int cached = j < lam;
+            const float *vr = cached ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
+            const int valid = cached ? cok[j] != 0 : 1;
+            const float *pj = phi + (size_t)j * F, *nj = num + (size_t)j * D;
+            float score = -INFINITY;
+            if (valid) {
+                float den = SRE_EPS, err = 0.0f;
+                for (int f = 0; f < F; f++) den += pj[f] * zh[f];
+                for (int d = 0; d < D; d++) {
+                    const float diff = vr[d] - nj[d] / den;
+                    err += diff * diff;
+                }
+                score = sqrtf(err);
+            }
+            const long long at = cached ? cpos[j] : block + j - lam;
+            rank[j] = (close_rank){score, j, valid ? at : LONG_MAX_POS, at};
+        }
+        qsort(rank, n, sizeof *rank, by_score);
+        /* fold the valid candidates that lost (ranks lam..n-1), before the kept rows are rewritten */
+        for (int r = lam; r < n; r++) {
+            const int j = rank[r].index;
+            if (rank[r].pos == LONG_MAX_POS) continue;
+            const float *vr = j < lam ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
+            const float *pj = phi + (size_t)j * F;
+            for (int f = 0; f < F; f++) {
+                const float p = pj[f];
+                float *row = Sh + (size_t)f * D;
+                zh[f] += p;
+                #pragma omp simd
+                for (int d = 0; d < D; d++) row[d] += p * vr[d];
+            }
+        }
+        qsort(rank, lam, sizeof *rank, by_position);
+        for (int r = 0; r < lam; r++) {
+            const int j = rank[r].index;
+            const float *kr = j < lam ? ck + (size_t)j * D : k + bi * k_b + kh * k_h + (block + j - lam) * k_t;
+            const float *vr = j < lam ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
+            memcpy(new_k + (size_t)r * D, kr, sizeof(float) * D);
+            memcpy(new_v + (size_t)r * D, vr, sizeof(float) * D);
+        }
+        for (int r = 0; r < lam; r++) {  /* an empty slot keeps the position it had, as the torch path's gather */
+            cpos[r] = rank[r].slot_pos;
+            cok[r] = rank[r].pos != LONG_MAX_POS;
+        }
+        memcpy(ck, new_k, sizeof(float) * lam * D);
+        memcpy(cv, new_v, sizeof(float) * lam * D);
     }
     return 0;
 }

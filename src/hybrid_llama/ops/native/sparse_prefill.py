@@ -6,8 +6,9 @@ see the same closed blocks) with about 40 tensor ops over masks of the whole exa
 exponentials and small batched products, not its arithmetic, were four fifths of a layer's prefill
 at 2048 tokens (docs/performance.md). Here one kernel call computes a group's outputs, linear readout
 included, straight into the ``[B, T, H, D]`` memory the output projection reads; the block that
-closes between two groups (scores, eviction, fold into ``S, z``) stays in torch, the same calls as
-the torch path, so both keep the same keys.
+closes between two groups (scores, eviction, fold into ``S, z``) runs natively too for the ``sre``
+score (``hybrid_sparse_close_f32``: the same scores to fp32 rounding, so the same keys but for
+near-ties), and in torch, the torch path's own calls, for the ``random`` score.
 
 Covered: CPU tensors without autograd, no padding mask, the ``sre`` and ``random`` scores (the
 ``attention`` score needs each query's weights), head dim a multiple of 64 up to 256, elu1 or
@@ -31,6 +32,7 @@ from .bindings import TILE, Kernel, fill, fp32_rows, pointers, prefill_maps, str
 from .build import MAX_D, MAX_F
 
 GROUP, WORKSPACE = Kernel("hybrid_sparse_group_f32"), Kernel("hybrid_sparse_group_workspace")
+CLOSE, CLOSE_WORKSPACE = Kernel("hybrid_sparse_close_f32"), Kernel("hybrid_sparse_close_workspace")
 # Arguments that change from one group to the next (the rest are bound once per call).
 PER_GROUP = ("t0", "t1", "range_lo", "cache_k", "cache_v", "cache_ok", "S", "z")
 
@@ -84,13 +86,27 @@ def hybrid_attention_sparse_cpu(
         v=v32.data_ptr(), v_b=v_b, v_h=v_h, v_t=v_t, wa=wa.data_ptr(), wb=wb.data_ptr(), wq=wq, bq=bq,
         out=out.data_ptr(), o_b=o_b, o_h=o_h, o_t=o_t, work=work.data_ptr(),
     )
+    # The 'sre' close runs natively, updating the cache, S and z in place; other scores stay in torch.
+    native_close = cache.score == "sre"
+    if native_close:
+        wk, bk = pointers(*weights[2:])
+        close_work = q32.new_empty(CLOSE_WORKSPACE(B=B, Hk=Hk, D=D, F=F, w=w, lam=lam))
+        close_args, close_slots = CLOSE.template(
+            ("block",), B=B, Hk=Hk, D=D, F=F, w=w, lam=lam, map=map_code, threads=threads,
+            k=k32.data_ptr(), k_b=k_b, k_h=k_h, k_t=k_t, v=v32.data_ptr(), v_b=v_b, v_h=v_h, v_t=v_t,
+            cache_k=cache_k.data_ptr(), cache_v=cache_v.data_ptr(), cache_pos=cache_pos.data_ptr(),
+            cache_ok=cache_ok.data_ptr(), S=S.data_ptr(), z=z.data_ptr(), wk=wk, bk=bk, work=close_work.data_ptr(),
+        )
     for J, (t0, t1) in enumerate(group_bounds(T, w, ns)):
         block = ns + J * w  # block J's first position: pending while the group runs
         code = lib.hybrid_sparse_group_f32(*fill(args, slots, t0, t1, block if J else 0, cache_k.data_ptr(),
                                                  cache_v.data_ptr(), cache_ok.data_ptr(), S.data_ptr(), z.data_ptr()))
         if code != 0:
             return None
-        if t1 < T:  # block J closes: the cache and the block compete, the rest folds (as the torch path)
+        if t1 < T and native_close:
+            if lib.hybrid_sparse_close_f32(*fill(close_args, close_slots, block)) != 0:
+                return None
+        elif t1 < T:  # block J closes: the cache and the block compete, the rest folds (as the torch path)
             blk_pos = torch.arange(block, block + w).view(1, 1, -1).expand(B, Hk, -1)
             cand_k = torch.cat([cache_k, k32[:, :, block : block + w]], 2)
             cand_v = torch.cat([cache_v, v32[:, :, block : block + w]], 2)
