@@ -248,8 +248,8 @@ class Pipeline:
             return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
         rec = self.config.get("recommended")
         chosen = {rec if v == "recommended" else v for v in named}
-        settings = {repr(sorted(self.hybrid(v).items())) for v in chosen if v in self.variants}
-        return [v for v in self.variants if v in chosen or repr(sorted(self.hybrid(v).items())) in settings]
+        timed = [self.hybrid(v) for v in chosen if v in self.variants]
+        return [v for v in self.variants if v in chosen or self.hybrid(v) in timed]
 
     def export_slots(self) -> list[tuple[str, str]]:
         """(variant, stage) of every exported model: each variant that trains (or derives from one
