@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from hybrid_llama.eval.passkey import needle_trials, teacher_forced_hit
+from hybrid_llama.eval.placement import output_cache
 from hybrid_llama.eval.tables import BEYOND_WINDOW, wilson_interval
 from hybrid_llama.layers import HybridLlamaAttention
 from hybrid_llama.models import hybrid_cache_nbytes
@@ -64,7 +65,7 @@ def cache_bytes(model, tok, length: int) -> int:
     ids = torch.randint(100, tok.vocab_size - 1, (1, length))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                          return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
-    return hybrid_cache_nbytes(out.past_key_values)
+    return hybrid_cache_nbytes(output_cache(out))
 
 
 def main() -> None:

@@ -237,10 +237,10 @@ def test_long_lengths_run_only_for_the_listed_slots():
     assert p.quality_settings("passkey", "lolcats")["context_lens"] == [1024, 2048]
     assert p.quality_settings("books", "base")["context_lens"][-1] == 8192
     assert p.quality_settings("books", "seed")["context_lens"][-1] == 2048
-    # the needle test runs at 4096 only: the recommended variant's table alone (with no base rows)
+    # the needle test runs at 4096 only: the recommended variant's table, base's trials beside it
     assert p.stage_quality_files("smollm2", "seed", "cpu", "niah") == []
     assert p.stage_quality_files("smollm2", rec, "cpu", "niah") == [
-        f"results/smollm2/{rec}/quality/cpu/transfer_lora/niah.csv"]
+        "results/smollm2/base/quality/cpu/base/niah.csv", f"results/smollm2/{rec}/quality/cpu/transfer_lora/niah.csv"]
     books = p.stage_quality_files("smollm2", rec, "cpu", "books")
     assert books[0].endswith("/base/quality/cpu/base/books.csv") and len(books) == 3  # base, the variant, control
     inputs = p.report_inputs()["quality"]

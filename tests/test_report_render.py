@@ -84,9 +84,10 @@ BOOK_BASE = {16: [3.5, 3.1, 3.3], 64: [3.2, 2.9, 3.0], 1024: [2.9, 2.6, 2.8]}
 BOOK_OFFSET = {("lc16", "transfer"): 0.3, ("lc16", "transfer_lora"): 0.2, ("w16", "transfer"): 0.6,
                ("w16", "transfer_lora"): 0.5, ("base_lora", "base_lora"): 0.01, ("win16", "converted"): 0.8}
 BOOK_WOBBLE = [0.02, -0.03, 0.0]
-# The multi-key needles: (haystack, context) -> hits of 4 trials, lc16 only (its niah table)
+# The multi-key needles: (haystack, context) -> hits of 4 trials, lc16's table, with base on one cell
 NIAH = {("lc16", "transfer"): {("book", 256): 2, ("book", 1024): 1, ("filler", 256): 3, ("filler", 1024): 2},
-        ("lc16", "transfer_lora"): {("book", 256): 3, ("book", 1024): 2, ("filler", 256): 4, ("filler", 1024): 3}}
+        ("lc16", "transfer_lora"): {("book", 256): 3, ("book", 1024): 2, ("filler", 256): 4, ("filler", 1024): 3},
+        ("base", "base"): {("book", 1024): 4}}
 MMLU_CORRECT = {("base", "base"): range(20), ("base_lora", "base_lora"): range(21),
                 ("w16", "transfer"): range(25), ("w16", "transfer_lora"): range(30),
                 ("lc16", "transfer"): range(19), ("lc16", "transfer_lora"): range(18),
@@ -445,12 +446,21 @@ def test_recommended_block_quotes_the_long_context_numbers(report):
         got, got_se = value_and_se(text)
         assert abs(got - diff) <= decimals(text) + 1e-9 and abs(got_se - se) <= decimals(text) + 1e-9, (L, text)
     # passkey from the long length on (from_len 1024 in config/test.yaml); the fixture has no needle distances
-    found = sum(round(5 * a) for (L, _), a in PASSKEY["lc16", "transfer_lora"].items() if L == 1024)
-    lo, hi = wilson_interval(found, 10)
-    assert block["passkey at 1024"] == f"{found / 10:.0%} ({found}/10, {lo:.0%}–{hi:.0%})"
-    for (hay, L), hits in NIAH["lc16", "transfer_lora"].items():
+    def passkey(slot: str, stage: str) -> str:
+        found = sum(round(5 * a) for (L, _), a in PASSKEY[slot, stage].items() if L == 1024)
+        lo, hi = wilson_interval(found, 10)
+        return f"{found / 10:.0%} ({found}/10, {lo:.0%}–{hi:.0%})"
+
+    # base ran the same trials at 1024: its score stands beside the variant's
+    assert block["passkey at 1024"] == f"{passkey('lc16', 'transfer_lora')}; base {passkey('base', 'base')}"
+    def accuracy(hits: int) -> str:
         lo, hi = wilson_interval(hits, 4)
-        assert block[f"multi-key needles ({hay} haystack) at {L}"] == f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})"
+        return f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})"
+
+    for (hay, L), hits in NIAH["lc16", "transfer_lora"].items():  # base beside it where base ran the cell
+        base = NIAH["base", "base"].get((hay, L))
+        expected = accuracy(hits) + ("" if base is None else f"; base {accuracy(base)}")
+        assert block[f"multi-key needles ({hay} haystack) at {L}"] == expected
     # speed and cache at the long length, timed for base and lc16 only; the decode ratio crosses 1
     # between 256 tokens (260/300) and 1024 (the faster backend: 240/150)
     for phase in ("prefill", "decode"):
@@ -482,14 +492,18 @@ def test_books_and_needle_sections_render_the_fixture_tables(report):
     assert rows[1024][header.index("base") - 1] == f"{statistics.fmean(BOOK_BASE[1024]):.3f}"
     assert "Held-out books" in html and "Held-out NLL on fineweb-edu" in html  # each curve names its corpus
     niah = re.search(r'<table class="niah-table">(.*?)</table>', html, re.DOTALL).group(1)
+    header = [htmllib.unescape(h) for h in re.findall(r"<th>(.*?)</th>", niah)]
     cells = {(r[0], int(r[1])): r[2:] for r in (re.findall(r"<td[^>]*>(.*?)</td>", row)
                                                  for row in re.findall(r"<tr>(.*?)</tr>", niah)) if r}
     assert sorted(cells) == sorted(NIAH["lc16", "transfer"])
-    hits = NIAH["lc16", "transfer"]["book", 1024]
-    lo, hi = wilson_interval(hits, 4)
-    assert htmllib.unescape(cells["book", 1024][0]).startswith(f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})")
-    # the fixture's distances put every needle at 1024 beyond the window: counted apart, the same trials
-    assert "; beyond the window: " in htmllib.unescape(cells["book", 1024][0])
+    for (slot, stage), label in ((("lc16", "transfer"), "lc16 · after transfer"), (("base", "base"), "base")):
+        hits = NIAH[slot, stage]["book", 1024]
+        lo, hi = wilson_interval(hits, 4)
+        cell = htmllib.unescape(cells["book", 1024][header.index(label) - 2])
+        assert cell.startswith(f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})"), (label, cell)
+        # the fixture's distances put every needle at 1024 beyond the window: counted apart, the same trials
+        assert "; beyond the window: " in cell
+    assert cells["book", 256][header.index("base") - 2] == ""  # base ran one cell only
 
 
 def test_deleted_result_file_reads_not_measured(fixture_root, tmp_path):

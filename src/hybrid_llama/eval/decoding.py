@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_llama.eval.placement import cache_keyword
+from hybrid_llama.eval.placement import cache_keyword, output_cache
 
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor):
     """Cache-building forward that keeps only the last position's logits: (next token [B, 1], cache)."""
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1), out.past_key_values
+    return out.logits[:, -1:].argmax(-1), output_cache(out)
 
 
 @torch.inference_mode()
 def decode_step(model, token: torch.Tensor, cache):
     """One greedy step from ``cache``, feeding ``token`` [B, 1]: (next token [B, 1], cache)."""
     out = model(input_ids=token, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1:].argmax(-1), out.past_key_values
+    return out.logits[:, -1:].argmax(-1), output_cache(out)
 
 
 def decode_steps(model, token: torch.Tensor, cache, n: int) -> torch.Tensor:

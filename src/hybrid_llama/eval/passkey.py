@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybrid_llama.eval.placement import cache_keyword, eval_mode, max_positions, place_model
+from hybrid_llama.eval.placement import cache_keyword, eval_mode, max_positions, output_cache, place_model
 
 # Plain, self-written sentences: no download, no information a model could confuse with a key.
 FILLER_SENTENCES = (
@@ -171,10 +171,11 @@ def teacher_forced_hit(model, trial: dict, device=None) -> tuple[bool, list[floa
     prompt = torch.tensor([trial["prompt"]], device=dev)
     answer = torch.tensor([trial["answer"]], device=dev)
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    shares = needle_in_cache(out.past_key_values, trial["needle"])
+    cache = output_cache(out)
+    shares = needle_in_cache(cache, trial["needle"])
     preds = [out.logits[0, -1].argmax()]
     if answer.shape[1] > 1:
-        rest = model(input_ids=answer[:, :-1], **{cache_keyword(model): out.past_key_values}, use_cache=True).logits
+        rest = model(input_ids=answer[:, :-1], **{cache_keyword(model): cache}, use_cache=True).logits
         preds += list(rest[0].argmax(-1))
     return bool(all(int(p) == int(t) for p, t in zip(preds, answer[0]))), shares
 

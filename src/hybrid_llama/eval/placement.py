@@ -37,6 +37,12 @@ def _cache_keyword(model_type: type) -> str:
     return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
 
 
+def output_cache(out: Any) -> Any:
+    """The cache a forward returned: ``out.cache`` from transformers 5.2x (where reading
+    ``past_key_values`` warns that it is deprecated), else ``out.past_key_values``."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 def max_positions(model: torch.nn.Module) -> int | None:
     """The longest input the model's position embeddings cover (None if its config does not say)."""
     return getattr(model.config, "max_position_embeddings", None)

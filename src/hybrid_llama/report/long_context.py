@@ -38,6 +38,12 @@ def _accuracy(p: dict | None) -> str:
     return f"{p['accuracy']:.0%} ({p['found']}/{p['trials']}, {p['ci_low']:.0%}–{p['ci_high']:.0%})"
 
 
+def _beside_base(mine: dict | None, base: dict | None) -> str:
+    """An accuracy with base's on the same trials where base ran them: a goal above base's own
+    score is read against it."""
+    return _accuracy(mine) + ("" if mine is None or base is None else f"; base {_accuracy(base)}")
+
+
 def book_tables(res: Results, model: str, device: str) -> dict:
     """NLL on the held-out books per context length and stage, with the paired difference to base."""
     ppl, table = nll_table(res, "books", model, device)
@@ -121,18 +127,23 @@ def recommended_blocks(pipe: Pipeline, res: Results) -> list[dict]:
                                    "" if d is None else f"{d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token, ± "
                                    f"paired stderr over {d['n_windows']} windows", href["books"]))
             passkey = res.quality_rows("passkey", model, device, stage, slot)
+            base_passkey = res.quality_rows("passkey", model, device, "base", None)
             start = pipe.config["quality"]["long_context"]["from_len"] or 0
             lens = sorted({int(r["context_len"]) for r in passkey})
             for L in [n for n in lens if n >= start] or lens[-1:]:
                 far = passkey_at(passkey, L, beyond=BEYOND_WINDOW)  # None for files without needle distances
+                beyond = BEYOND_WINDOW if far else None
                 items.append(_item(f"passkey {'beyond the window ' if far else ''}at {L}",
-                                   _accuracy(far or passkey_at(passkey, L)),
+                                   _beside_base(far or passkey_at(passkey, L),
+                                                passkey_at(base_passkey, L, beyond=beyond)),
                                    (f"needles more than {BEYOND_WINDOW} tokens before the question" if far else
                                     "all needles") + "; 95 % Wilson interval", href["passkey"]))
             niah = res.quality_rows("niah", model, device, stage, slot)
+            base_niah = res.quality_rows("niah", model, device, "base", None)
             for hay, L in sorted({(r["haystack"], int(r["context_len"])) for r in niah}):
                 items.append(_item(f"multi-key needles ({hay} haystack) at {L}",
-                                   _accuracy(niah_summary(niah, L, haystack=hay)),
+                                   _beside_base(niah_summary(niah, L, haystack=hay),
+                                                niah_summary(base_niah, L, haystack=hay)),
                                    "answer by greedy generation; another needle's value scores 0", href["niah"]))
             items += _speed_items(res.throughput.get((model, device)), slot, href["throughput"])
             out.append({"model": model, "device": device, "variant": slot, "stage": stage, "entries": items})
