@@ -4,6 +4,7 @@ out of the way wherever it does not apply (autograd, padding, other head sizes, 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 
 import pytest
@@ -96,6 +97,30 @@ def test_decode_continues_the_native_prefill(native_calls):
             outs.append(o)
     assert native_calls["ran"] == 1
     torch.testing.assert_close(torch.cat(outs, dim=2), naive, atol=2e-6, rtol=1e-5)
+
+
+def test_bf16_model_takes_the_kernel_in_fp32(monkeypatch, native_calls):
+    """A model evaluated in bf16 prefills natively too, with fp32 copies of its maps: the output is the
+    naive fp32 op's on the same values, rounded to bf16, and the decode state that of the fp32 op
+    with the dtypes the torch path gives a bf16 model (the decode step that follows reads them)."""
+    B, H, Hk, T, D, w = 1, 6, 2, 200, 64, 16
+    q, k, v, wl, ll, maps = problem(B, H, Hk, T, D, "hedgehog", model_layout=True)
+    low = [t.bfloat16() for t in (q, k, v, wl, ll)]
+    maps16 = tuple(copy.deepcopy(m).to(torch.bfloat16) for m in maps)
+    maps32 = tuple(copy.deepcopy(m).float() for m in maps16)  # the bf16 values, in fp32
+    kw = dict(window=w, formulation="lolcats", output_final_state=True)
+    with torch.no_grad():
+        got, state = hybrid_attention(*low, backend="chunked", feature_map=maps16, **kw)
+        want, want_state = hybrid_attention(*(t.float() for t in low), backend="reference", feature_map=maps32, **kw)
+        monkeypatch.setenv("HYBRID_LLAMA_NATIVE", "0")
+        _, torch_state = hybrid_attention(*low, backend="chunked", feature_map=maps16, **kw)
+    assert native_calls["ran"] == 1
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=8e-3)  # one bf16 rounding of the output
+    for name in ("k_window", "v_window", "window_valid", "S", "z"):
+        assert getattr(state, name).dtype == getattr(torch_state, name).dtype, name
+        torch.testing.assert_close(getattr(state, name).float(), getattr(want_state, name).float(), atol=1e-5,
+                                   rtol=1e-5, msg=name)
 
 
 def test_torch_ops_where_the_kernel_does_not_apply(monkeypatch, native_calls):

@@ -4,6 +4,8 @@ decode steps, and out of the way wherever it does not apply."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from op_inputs import count_calls, trained_maps
@@ -69,6 +71,36 @@ def test_matches_the_torch_and_naive_sparse_op(score, fmap, shape, native_calls)
     for one in (state, dispatched_state):
         assert_same_state(one, want_state)
         assert torch.equal(one.sparse.cache_pos, want_state.sparse.cache_pos)
+
+
+def test_bf16_model_takes_the_kernel_in_fp32(monkeypatch, native_calls):
+    """A model evaluated in bf16 takes the native sparse prefill too (fp32 copies of its maps): the same
+    keys cached as the fp32 torch op on the same values, its output rounded to bf16, and the decode
+    state in the dtypes the torch path gives a bf16 model."""
+    B, H, Hk, T, D, w = 1, 9, 3, 300, 64, 16
+    q, k, v, wl, ll, maps = problem(B, H, Hk, T, D, "hedgehog")
+    low = [t.bfloat16() for t in (q, k, v, wl, ll)]
+    maps16 = tuple(copy.deepcopy(m).to(torch.bfloat16) for m in maps)
+    maps32 = tuple(copy.deepcopy(m).float() for m in maps16)  # the bf16 values, in fp32
+    cache = SparseCacheConfig(12, 4)
+    with torch.no_grad():
+        got, state = hybrid_attention(*low, window=w, formulation="lolcats", feature_map=maps16, sparse=cache,
+                                      backend="chunked", output_final_state=True)
+        want, want_state = hybrid_attention_sparse(*(t.float() for t in low), window=w, cache=cache,
+                                                   feature_map=maps32, output_final_state=True)
+        monkeypatch.setenv("HYBRID_LLAMA_NATIVE", "0")
+        _, torch_state = hybrid_attention(*low, window=w, formulation="lolcats", feature_map=maps16, sparse=cache,
+                                          backend="chunked", output_final_state=True)
+    assert native_calls["ran"] == 1
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=8e-3)  # one bf16 rounding of the output
+    assert torch.equal(state.sparse.cache_pos, want_state.sparse.cache_pos)
+    for part, ref, dtypes in ((state, want_state, torch_state), (state.sparse, want_state.sparse, torch_state.sparse)):
+        for name, value in vars(ref).items():
+            if isinstance(value, torch.Tensor):
+                mine = getattr(part, name)
+                assert mine.dtype == getattr(dtypes, name).dtype, name
+                torch.testing.assert_close(mine.float(), value.float(), atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_decode_continues_the_native_prefill(native_calls):

@@ -65,15 +65,21 @@ def strides3(x: Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def map_parameters(fmap, heads: int, D: int) -> tuple[Tensor, Tensor] | None:
-    """A Hedgehog map's ``(W [heads, D, F/2], b [heads, 1, F/2])`` as the kernels read them, or None."""
+def map_parameters(fmap, heads: int, D: int, *, cast: bool = False) -> tuple[Tensor, Tensor] | None:
+    """A Hedgehog map's ``(W [heads, D, F/2], b [heads, 1, F/2])`` as the kernels read them, or None.
+
+    ``cast``: fp32 copies of a map held in another dtype. The prefill kernels compute in fp32 and
+    hand back the model's dtype, so a model evaluated in bf16 takes them too; the decode step keeps
+    its state in the model's dtype and asks for fp32 maps as they are."""
     if not isinstance(fmap, HedgehogFeatureMap) or fmap.num_heads != heads or fmap.head_dim != D:
         return None
     W, bias = fmap.weight, fmap.bias
     fh = fmap.feature_dim
-    if W.shape != (heads, D, fh) or bias.numel() != heads * fh or not fp32_cpu(W, bias):
+    if W.shape != (heads, D, fh) or bias.numel() != heads * fh:
         return None
-    return W, bias
+    if cast and W.is_cpu and bias.is_cpu:
+        W, bias = (t.detach().float().contiguous() for t in (W, bias))
+    return (W, bias) if fp32_cpu(W, bias) else None
 
 
 def prefill_maps(feature_map: FeatureMap, H: int, Hk: int, D: int) -> tuple[int, tuple, int] | None:
@@ -81,7 +87,7 @@ def prefill_maps(feature_map: FeatureMap, H: int, Hk: int, D: int) -> tuple[int,
     phi_q, phi_k = resolve_qk_maps(feature_map)
     if phi_q is elu1 and phi_k is elu1:
         return MAP_CODES["elu1"], (None,) * 4, D
-    qmap, kmap = map_parameters(phi_q, H, D), map_parameters(phi_k, Hk, D)
+    qmap, kmap = map_parameters(phi_q, H, D, cast=True), map_parameters(phi_k, Hk, D, cast=True)
     if qmap is None or kmap is None or qmap[0].shape[2] != kmap[0].shape[2]:
         return None
     return MAP_CODES["hedgehog"], (*(t.detach() for t in qmap), *(t.detach() for t in kmap)), 2 * qmap[0].shape[2]
