@@ -91,10 +91,8 @@ def teacher_forced_hit(scaling: Scaling):
 
     def hit(model, trial, device=None):
         before = scaling.native_groups
-        scaling.torch_factor = 1.0
-        L = len(trial["prompt"])
         # the prompt runs natively (checked below); the answer's few tokens run the torch path
-        scaling.torch_factor = scaling.factor(scaling.linear_keys(L))
+        scaling.torch_factor = scaling.factor(scaling.linear_keys(len(trial["prompt"])))
         try:
             result = original(model, trial, device)
         finally:
