@@ -85,7 +85,8 @@ def test_hybrid_config_defaults_are_the_schema_defaults():
     CLIs' defaults, via hybrid_llama.config) name the same recipe."""
     from hybrid_llama.layers import HybridConfig
 
-    fields = {f.name: f.default for f in dataclasses.fields(HybridConfig) if f.name != "layers"}
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+              for f in dataclasses.fields(HybridConfig) if f.name != "layers"}
     assert fields == config.hybrid_defaults()
     assert set(config.hybrid_defaults()) == set(config.load_schema()["$defs"]["hybrid"]["properties"]) - {"layers"}
 

@@ -540,7 +540,8 @@ def test_no_result_files_at_all_still_renders(tmp_path):
     assert list(table) == ["base", "base + LoRA (control)", "seed: hybrid after transfer + LoRA",
                            "lolcats: hybrid after transfer + LoRA", "window_only: hybrid as converted (no training)",
                            "lolcats_sparse: hybrid after transfer + LoRA",
-                           "lolcats_sparse_distill: hybrid after transfer + LoRA"]
+                           "lolcats_sparse_distill: hybrid after transfer + LoRA",
+                           "lolcats_retrieval: hybrid after transfer + LoRA"]
     assert all(text == "not measured" for cells in table.values() for text, _ in cells)
     assert len(next(iter(table.values()))) == 6 + 2  # MMLU: shots 0 and 5
     assert summary(html) == []

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
-from hybrid_llama.config import SPARSE_CACHE_KEYS, without_inactive_sparse_cache
+from hybrid_llama.config import SPARSE_CACHE_KEYS, without_unused_hybrid_keys
 from hybrid_llama.ops import (
     FORMULATIONS,
     DeferredState,
@@ -32,6 +32,7 @@ from hybrid_llama.ops import (
     takes_native_step,
 )
 
+from .exact_heads import ExactHeads
 from .hybrid_cache import HybridCacheLayer, hybrid_cache_layer
 from .softmax_attention import qkv_heads, rotary_qkv
 
@@ -53,6 +54,10 @@ class HybridConfig:
     sparse_cache: int = 0
     sinks: int = 0
     cache_score: str = "sre"
+    # KV heads kept exact: ``[layer, kv_head]`` pairs whose query heads attend with causal softmax
+    # over the whole context (a growing KV cache) instead of the hybrid op; the heads a base model
+    # reads a needle with (``hybrid_llama.eval.retrieval_heads``). Empty: none.
+    softmax_heads: list[list[int]] = field(default_factory=list)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -72,11 +77,16 @@ class HybridConfig:
             self.sparse.require_formulation(self.formulation)
         except ValueError as exc:
             raise ValueError(f"HybridConfig: {exc}") from None
+        self.softmax_heads = normalized_softmax_heads(self.softmax_heads, self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as config.json stores it; the sparse-cache keys only when the cache is on, so
         models saved without it keep their exact config."""
-        return without_inactive_sparse_cache(asdict(self))
+        return without_unused_hybrid_keys(asdict(self))
+
+    def softmax_heads_of(self, layer: int) -> list[int]:
+        """The KV heads of ``layer`` kept exact."""
+        return [h for i, h in self.softmax_heads if i == layer]
 
     @property
     def native_steps(self) -> bool:
@@ -90,6 +100,19 @@ class HybridConfig:
         if unknown:
             raise ValueError(f"unknown HybridConfig keys {sorted(unknown)}")
         return cls(**d)
+
+
+def normalized_softmax_heads(pairs, layers: list[int]) -> list[list[int]]:
+    """``pairs`` as sorted, unique ``[layer, kv_head]`` lists; ValueError unless each names a hybrid layer."""
+    out = set()
+    for pair in pairs or []:
+        if len(pair) != 2 or int(pair[1]) < 0:
+            raise ValueError(f"HybridConfig.softmax_heads: {pair!r} is not a [layer, kv_head] pair")
+        layer, head = int(pair[0]), int(pair[1])
+        if layer not in layers:
+            raise ValueError(f"HybridConfig.softmax_heads: layer {layer} is not a hybrid layer ({layers})")
+        out.add((layer, head))
+    return [list(p) for p in sorted(out)]
 
 
 class MixingLogits(nn.Module):
@@ -183,6 +206,9 @@ class HybridLlamaAttention(LlamaAttention):
         self.feature_map = make_feature_map(
             hybrid.feature_map, self.num_heads, self.head_dim, config.num_key_value_heads
         )
+        kept = hybrid.softmax_heads_of(layer_idx)
+        n_kv = config.num_key_value_heads
+        self.exact = ExactHeads(kept, n_kv, self.num_heads // n_kv, self.scaling) if kept else None
 
     def project(
         self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]
@@ -236,6 +262,11 @@ class HybridLlamaAttention(LlamaAttention):
             q, k, v = qkv_heads(self, hidden_states)
             out = self._native_step(q, k, v, slot, position_embeddings)
             if out is not None:
+                if self.exact is not None:
+                    q_index, kv_index = self.exact.indices(q.device)
+                    qe, ke = apply_rotary_pos_emb(q.index_select(1, q_index), k.index_select(1, kv_index),
+                                                  *position_embeddings)
+                    out = self.exact.attend(out, qe, ke, v.index_select(1, kv_index), None, slot.exact_store())
                 return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1)), None
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         else:
@@ -278,6 +309,9 @@ class HybridLlamaAttention(LlamaAttention):
             out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)
             slot.set_state(state, q_len)
 
+        if self.exact is not None:
+            out = self.exact.attend(out, q, k, v, attention_mask, None if slot is None else slot.exact_store())
+
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), None
 
@@ -299,4 +333,6 @@ class HybridLlamaAttention(LlamaAttention):
         text = f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"
         if c.sparse.active:
             text += f", sparse_cache={c.sparse_cache}, sinks={c.sinks}, cache_score={c.cache_score}"
+        if self.exact is not None:
+            text += f", softmax_heads={self.exact.kv_heads}"
         return text

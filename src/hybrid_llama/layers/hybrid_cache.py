@@ -9,6 +9,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hybrid_llama.ops import DeferredState, HybridState
 
+from .append_kv_cache import AppendKVCacheLayer
+
 
 class HybridCacheLayer(CacheLayerMixin):
     """Cache slot of a hybrid layer: a constant-size ``HybridState`` instead of a growing KV cache.
@@ -28,6 +30,8 @@ class HybridCacheLayer(CacheLayerMixin):
         # (ops.layer_prompt says why).
         self._prefix: DeferredState | None = None
         self.seen = 0  # tokens consumed, even when no state was kept (training mode)
+        # The keys and values of the layer's exact heads (``softmax_heads``), when it has any.
+        self.exact: AppendKVCacheLayer | None = None
 
     @property
     def state(self) -> HybridState | None:
@@ -73,23 +77,37 @@ class HybridCacheLayer(CacheLayerMixin):
         self._prefix, self._state = deferred, None
         self.seen = deferred.k.shape[2]
 
+    def exact_store(self) -> AppendKVCacheLayer:
+        """The KV cache of the layer's exact heads, made on first use."""
+        if self.exact is None:
+            self.exact = AppendKVCacheLayer()
+        return self.exact
+
+    def _exact(self, method: str, *args) -> None:
+        if self.exact is not None and self.exact.is_initialized:
+            getattr(self.exact, method)(*args)
+
     def nbytes(self) -> int:
+        exact = 0 if self.exact is None else self.exact.nbytes()
         if self._prefix is not None:
-            return sum(t.numel() * t.element_size() for t in self._prefix[:2])
-        return 0 if self._state is None else self._state.nbytes()
+            return exact + sum(t.numel() * t.element_size() for t in self._prefix[:2])
+        return exact + (0 if self._state is None else self._state.nbytes())
 
     def offload(self) -> None:
         if self.state is not None:
             self.state = self.state.to("cpu")
+        self._exact("offload")
 
     def prefetch(self) -> None:
         if self.state is not None and self.state.k_window.device != self.device:
             self.state = self.state.to(self.device)
+        self._exact("prefetch")
 
     def reset(self) -> None:
         self.state = None  # drops a deferred prompt too
         self.seen = 0
         self.is_initialized = False
+        self.exact = None
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
@@ -98,6 +116,7 @@ class HybridCacheLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: Tensor) -> None:
         if self.state is not None:
             self.state = self.state.index_select(beam_idx)
+        self._exact("reorder_cache", beam_idx)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         if self.state is not None:
@@ -105,12 +124,14 @@ class HybridCacheLayer(CacheLayerMixin):
             if idx.dtype == torch.bool:
                 idx = idx.nonzero().flatten()
             self.state = self.state.index_select(idx)
+        self._exact("batch_select_indices", indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.state is not None:
             b = self.state.k_window.shape[0]
             idx = torch.arange(b, device=self.state.k_window.device).repeat_interleave(repeats)
             self.state = self.state.index_select(idx)
+        self._exact("batch_repeat_interleave", repeats)
 
 
 def hybrid_cache_layer(cache: Cache, layer_idx: int) -> HybridCacheLayer:

@@ -47,8 +47,11 @@ def hybrid_table(hybrid: HybridConfig | dict[str, Any], base: str | None, num_la
         sparse = "none"
     rows = [("base model", base or "not recorded"), ("hybrid layers", layers),
             ("softmax window", f"{cfg.window} tokens"), ("formulation", f"`{cfg.formulation}`"),
-            ("feature map", f"`{cfg.feature_map}`"), ("sparse cache", sparse),
-            ("attention backend", f"`{cfg.backend}`")]
+            ("feature map", f"`{cfg.feature_map}`"), ("sparse cache", sparse)]
+    if cfg.softmax_heads:
+        heads = ", ".join(f"layer {layer} KV head {head}" for layer, head in cfg.softmax_heads)
+        rows.append(("heads kept softmax (whole context)", heads))
+    rows.append(("attention backend", f"`{cfg.backend}`"))
     return "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 

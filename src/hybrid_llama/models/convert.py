@@ -44,6 +44,7 @@ def convert_to_hybrid(
     sparse_cache: int = 0,
     sinks: int = 0,
     cache_score: str = "sre",
+    softmax_heads: list[list[int]] | None = None,
 ) -> nn.Module:
     """Replace the attention of ``layers`` by hybrid attention, in place; returns ``model``.
 
@@ -51,7 +52,8 @@ def convert_to_hybrid(
     drifts when the student trains. The settings go to ``model.config.hybrid`` (saved in config.json).
     """
     cfg = HybridConfig(layers=list(layers), window=window, formulation=formulation, feature_map=feature_map,
-                       backend=backend, sparse_cache=sparse_cache, sinks=sinks, cache_score=cache_score)
+                       backend=backend, sparse_cache=sparse_cache, sinks=sinks, cache_score=cache_score,
+                       softmax_heads=list(softmax_heads or []))
     swap_in_hybrid_attention(model, cfg, check_config=True)
     model.config.hybrid = cfg.to_dict()
     return model

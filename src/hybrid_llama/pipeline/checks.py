@@ -65,6 +65,7 @@ def check_config(p: Pipeline) -> None:
     for v in p.variants:
         _check_training(p, v)
         _check_sparse_cache(p, v)
+        _check_softmax_heads(p, v)
 
     zeroshot = p.config["zeroshot"]
     if zeroshot["source"] == "local":
@@ -93,6 +94,20 @@ def _check_sparse_cache(p: Pipeline, v: str) -> None:
             f"the sparse cache joins the shared normalizer of formulation 'lolcats'; variant '{v}' uses "
             f"'{h['formulation']}'",
         )
+
+
+def _check_softmax_heads(p: Pipeline, v: str) -> None:
+    h = p.hybrid(v)
+    for i, (layer, head) in enumerate(h.get("softmax_heads") or []):
+        key = f"variants[{v}].hybrid.softmax_heads[{i}]"
+        if layer not in h["layers"]:
+            raise ConfigError(key, f"layer {layer} is not one of variant '{v}''s hybrid layers {h['layers']}")
+        if h["formulation"] == "window":
+            raise ConfigError(key, "a window-only variant has no hybrid op to keep heads out of")
+        for model in p.models:
+            n_kv = model_architecture(p, model).get("num_key_value_heads")
+            if n_kv is not None and head >= n_kv:
+                raise ConfigError(key, f"KV head {head} does not exist in model '{model}' ({n_kv} KV heads)")
 
 
 def _key(p: Pipeline, variant: str, section: str, key: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hybrid_llama.config import SPARSE_CACHE_KEYS, ConfigError, deep_merge
 
 # Hybrid keys a derived variant may change: they leave the trained weights valid.
-EVAL_ONLY_HYBRID = (*SPARSE_CACHE_KEYS, "backend")
+EVAL_ONLY_HYBRID = (*SPARSE_CACHE_KEYS, "softmax_heads", "backend")
 
 
 def resolve_variants(own: dict[str, dict]) -> dict[str, dict]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.config import ConfigError, canonical, deep_merge, without_inactive_sparse_cache
+from hybrid_llama.config import ConfigError, canonical, deep_merge, without_unused_hybrid_keys
 from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
 
 from . import long_context
@@ -130,7 +130,7 @@ class Pipeline:
     # ---- per-variant settings
 
     def hybrid(self, variant: str) -> dict:
-        return canonical(without_inactive_sparse_cache(self.variants[variant]["hybrid"]))
+        return canonical(without_unused_hybrid_keys(self.variants[variant]["hybrid"]))
 
     def transfer_owner(self, variant: str) -> str:
         return transfer_owner(self.own, variant)

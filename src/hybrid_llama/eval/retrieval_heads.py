@@ -1,0 +1,94 @@
+"""Retrieval heads: the KV heads a softmax model reads a needle with, ranked on passkey prompts.
+
+While a model copies a passkey back, a few of its heads put most of their attention on the key's
+tokens (the retrieval heads of Wu et al., 2024). This ranks the KV heads of chosen layers by that
+mass on the base model, so a hybrid can keep the best ones exact (``hybrid.softmax_heads``,
+``layers.exact_heads``). The prompts use a seed the passkey evaluation does not use.
+
+    python -m hybrid_llama.eval.retrieval_heads MODEL --layers 0,2,...,28 --top 1
+prints the ranking and the ``softmax_heads`` pairs of the top ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from hybrid_llama.eval.passkey import needle_trials
+
+SCORING_SEED = 101  # not the evaluation's seed 0: the ranking never sees the evaluated prompts
+
+
+def needle_mass(q: Tensor, k: Tensor, rows: Sequence[int], needle: Sequence[int], scaling: float) -> Tensor:
+    """Per query head, the mean over ``rows`` of the softmax attention (causal) on ``needle``'s
+    positions: q ``[1, H, T, D]``, k ``[1, H_kv, T, D]`` after RoPE."""
+    group = q.shape[1] // k.shape[1]
+    rows_t = torch.tensor(list(rows))
+    scores = (q[:, :, rows_t].float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2)) * scaling
+    future = torch.arange(k.shape[2])[None, :] > rows_t[:, None]
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return weights[0, :, :, list(needle)].sum(-1).mean(-1)
+
+
+@torch.no_grad()
+def rank_retrieval_heads(model, tokenizer, layers: Sequence[int], *, context_len: int = 2048,
+                         trials: int = 6) -> list[tuple[int, int, float]]:
+    """``(layer, kv_head, mass)`` for the KV heads of ``layers``, best first: the attention mass on the
+    needle, summed over each KV head's query heads, averaged over ``trials`` passkey prompts and the
+    positions that read the key back (the last prompt token and the key's tokens but its last)."""
+    from hybrid_llama.layers.softmax_attention import rotary_qkv
+
+    cfg = model.config
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    total: dict[tuple[int, int], float] = {}
+    trial: dict = {}
+    original = LlamaAttention.forward
+
+    def scoring_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kw):
+        if self.layer_idx in layers:
+            q, k, _ = rotary_qkv(self, hidden_states, position_embeddings)
+            mass = needle_mass(q, k, trial["rows"], trial["needle"], self.scaling)
+            for h in range(cfg.num_key_value_heads):
+                key = (self.layer_idx, h)
+                total[key] = total.get(key, 0.0) + float(mass[h * group:(h + 1) * group].sum())
+        return original(self, hidden_states, position_embeddings, attention_mask, **kw)
+
+    cells = needle_trials(tokenizer, context_len=context_len, trials=trials, seed=SCORING_SEED)
+    LlamaAttention.forward = scoring_forward
+    try:
+        for t in cells:
+            ids = t["prompt"] + t["answer"][:-1]
+            trial.update(rows=range(len(t["prompt"]) - 1, len(ids)), needle=t["needle"])
+            model(input_ids=torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1)
+    finally:
+        LlamaAttention.forward = original
+    ranked = sorted(total, key=total.get, reverse=True)
+    return [(layer, head, total[(layer, head)] / len(cells)) for layer, head in ranked]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ap = argparse.ArgumentParser(description="Rank a Llama's KV heads by the attention they put on a passkey.")
+    ap.add_argument("model", help="a Llama directory or Hugging Face id (the base model)")
+    ap.add_argument("--layers", required=True, help="comma-separated layer indices (the hybrid layers)")
+    ap.add_argument("--top", type=int, default=1, help="how many heads to print as softmax_heads")
+    ap.add_argument("--context-len", type=int, default=2048)
+    ap.add_argument("--trials", type=int, default=6)
+    args = ap.parse_args(argv)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    layers = [int(x) for x in args.layers.split(",")]
+    ranked = rank_retrieval_heads(model, tokenizer, layers, context_len=args.context_len, trials=args.trials)
+    for layer, head, mass in ranked[:12]:
+        print(f"layer {layer:3d}  KV head {head:2d}  needle mass {mass:.3f}")
+    print(json.dumps({"softmax_heads": [[layer, head] for layer, head, _ in ranked[: args.top]]}))
+
+
+if __name__ == "__main__":
+    main()
