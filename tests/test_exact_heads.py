@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_models import greedy, randomize_hybrid_params
+from test_models import assert_cached_generation_equals_uncached, greedy, randomize_hybrid_params
 from transformers import DynamicCache
 
 from hybrid_llama.layers.exact_heads import exact_mask
@@ -80,15 +80,7 @@ def test_generate_with_cache_equals_without(lively_dir, formulation, feature_map
     model, tok = hybrid(lively_dir, formulation=formulation, feature_map=feature_map, sparse_cache=sparse,
                         sinks=2 if sparse else 0)
     enc = tok(["exact heads over the whole context"], return_tensors="pt")
-    n = 30
-    with torch.no_grad():
-        cached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                                output_scores=True, return_dict_in_generate=True)
-        uncached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=False,
-                                  output_scores=True, return_dict_in_generate=True)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    for a, b in zip(cached.scores, uncached.scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert_cached_generation_equals_uncached(model, enc, 30)
     if model.config.hybrid.get("backend") == "auto" and formulation == "lolcats" and not sparse:
         assert any(o is not None for o in native_steps)  # the exact heads follow the native step too
 

@@ -105,6 +105,22 @@ def greedy(model, enc, n, **kw):
         return model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
 
+def assert_cached_generation_equals_uncached(model, enc, n: int):
+    """Greedy generation of ``n`` tokens with the cache gives the uncached tokens and scores; returns
+    the cached run (``return_dict_in_generate``)."""
+    with torch.no_grad():
+        cached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                                output_scores=True, return_dict_in_generate=True)
+        uncached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=False,
+                                  output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    new = cached.sequences[0, enc["input_ids"].shape[1]:]
+    assert len(set(new.tolist())) > 5  # the model is not stuck repeating one token
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    return cached
+
+
 # ---------------------------------------------------------------------------------- conversion
 
 
@@ -526,17 +542,8 @@ def test_load_hybrid_layers(lively_dir, tmp_path):
 def test_generate_with_cache_equals_without(lively_dir, formulation, feature_map):
     model, tok = hybrid_lively(lively_dir, formulation, feature_map, window=4)
     enc = tok(["hybrid attention"], return_tensors="pt")
-    n = 36  # prompt 17 + 36 tokens >> window 4: the fold into S, z runs many times
-    with torch.no_grad():
-        cached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
-                                output_scores=True, return_dict_in_generate=True)
-        uncached = model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=False,
-                                  output_scores=True, return_dict_in_generate=True)
-    assert torch.equal(cached.sequences, uncached.sequences)
-    new = cached.sequences[0, enc["input_ids"].shape[1]:]
-    assert len(set(new.tolist())) > 5  # the model is not stuck repeating one token
-    for a, b in zip(cached.scores, uncached.scores):
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    # prompt 17 + 36 tokens >> window 4: the fold into S, z runs many times
+    cached = assert_cached_generation_equals_uncached(model, enc, 36)
     layers = cached.past_key_values.layers
     assert [type(layer) is HybridCacheLayer for layer in layers] == [True, False, True, False]
 
