@@ -232,7 +232,7 @@ def _pipeline(cfg: dict) -> Pipeline:
 def test_long_lengths_run_only_for_the_listed_slots():
     p = _pipeline(config("config.yaml"))
     rec = p.recommended()
-    assert rec == "lolcats_sparse_distill"
+    assert rec == "lolcats_retrieval"
     assert p.quality_settings("passkey", rec)["context_lens"] == [1024, 2048, 4096, 8192]
     assert p.quality_settings("passkey", "lolcats")["context_lens"] == [1024, 2048]
     assert p.quality_settings("books", "base")["context_lens"][-1] == 8192
@@ -297,3 +297,33 @@ def test_throughput_reaches_the_longest_length_for_base_and_the_listed_variant(t
     assert (ok[ok["seq_len"] >= 16]["repeats"] == 2).all() and (ok[ok["seq_len"] < 16]["repeats"] == 3).all()
     long = ok[(ok["variant"] == "rec/hybrid") & (ok["seq_len"] == 32)]
     assert long["speedup"].notna().all() and (long["speedup_min"] <= long["speedup_max"]).all()
+
+
+def test_short_only_book_slots_score_the_long_slots_targets(byte_tok, tiny_model):
+    """A slot that runs the short lengths only (every variant but the recommended one) places its
+    windows where the longest configured length does, so its NLL pairs with base's window by window."""
+    texts = ["a" * 300, "b" * 1000, "c" * 90, "d" * 700]
+    ids, spans = token_stream_spans(byte_tok, texts)
+    long_run = PPL.perplexity_windows(len(ids), [16, 64, 512], tail=32, max_windows=3, documents=spans)
+    short = PPL.perplexity_windows(len(ids), [16, 64], tail=32, max_windows=3, documents=spans, anchor_len=512)
+    unanchored = PPL.perplexity_windows(len(ids), [16, 64], tail=32, max_windows=3, documents=spans)
+    assert short == {L: long_run[L] for L in (16, 64)}
+    assert unanchored[64] != long_run[64]  # what the report paired before: other targets
+    # capped like any length: an anchor beyond the longest document places windows as that length would
+    assert PPL.perplexity_windows(len(ids), [64], tail=32, max_windows=3, documents=spans,
+                                  anchor_len=10**6)[64] == PPL.perplexity_windows(
+        len(ids), [64], tail=32, max_windows=3, documents=spans, anchor_len=1000)[64]
+    model, _ = tiny_model
+    rows = PPL.perplexity_vs_context(model, byte_tok, texts, context_lens=[16, 64], tail=8, max_windows=3,
+                                     stage="base", within_documents=True, anchor_len=512)
+    full = PPL.perplexity_vs_context(model, byte_tok, texts, context_lens=[16, 64, 512], tail=8, max_windows=3,
+                                     stage="base", within_documents=True)
+    assert [r["window_nlls"] for r in rows] == [r["window_nlls"] for r in full[:2]]
+
+
+def test_every_book_slot_gets_the_longest_length_as_anchor():
+    p = _pipeline(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
+    rec = p.config["recommended"]
+    anchors = {p.quality_settings("books", v)["anchor_len"] for v in ("base", "lolcats", rec)}
+    assert anchors == {max(p.config["quality"]["long_context"]["books"]["context_lens"])}
+    assert max(p.quality_settings("books", "lolcats")["context_lens"]) < anchors.pop()

@@ -19,6 +19,9 @@ def measure(model, tokenizer, cfg, stage):
         max_windows=cfg["max_windows"],
         batch_size=cfg["batch_size"],
         within_documents=True,
+        # every slot's windows end where the longest configured length's do, so a slot that runs the
+        # short lengths only scores the targets base scores (the report pairs them window by window)
+        anchor_len=cfg["anchor_len"],
         stage=stage,
     )
 

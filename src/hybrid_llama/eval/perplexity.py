@@ -39,12 +39,15 @@ def window_ends(n_stream: int, longest: int, tail: int, max_windows: int | None,
 def perplexity_windows(
     n_stream: int, context_lens: Sequence[int], *, tail: int = 64, max_windows: int | None = 32,
     max_len: int | None = None, documents: Sequence[tuple[int, int]] | None = None,
+    anchor_len: int | None = None,
 ) -> dict[int, list[tuple[int, int]]]:
     """{L: [(start, end), ...]} stream slices of exactly L tokens scored by perplexity_vs_context.
 
     Lengths above `max_len` (the model's positions) or the stream (or, with ``documents``, the
     longest document) are dropped. All lengths share the end positions chosen for the longest one,
-    so they score the same target tokens.
+    so they score the same target tokens. ``anchor_len``: choose the ends for this length instead
+    (capped like the others) when it is longer, so that runs over fewer lengths score the same
+    targets as a run to ``anchor_len`` (the books' short-only variants against base's long run).
     """
     limit = min(max_len or n_stream, n_stream)
     if documents is not None:
@@ -52,7 +55,8 @@ def perplexity_windows(
     lens = sorted({int(L) for L in context_lens if 2 <= int(L) <= limit})
     if not lens:
         return {}
-    ends = window_ends(n_stream, lens[-1], tail, max_windows, documents)
+    longest = max(lens[-1], min(int(anchor_len or 0), limit))
+    ends = window_ends(n_stream, longest, tail, max_windows, documents)
     return {L: [(e - L, e) for e in ends] for L in lens}
 
 
@@ -78,6 +82,7 @@ def perplexity_vs_context(
     max_windows: int | None = 32,
     batch_size: int = 1,
     within_documents: bool = False,
+    anchor_len: int | None = None,
 ) -> list[dict]:
     """Mean NLL over the last `tail` tokens of windows of exactly L tokens, for each L.
 
@@ -87,12 +92,14 @@ def perplexity_vs_context(
     the last L-1 tokens can be scored (a window's first token has no context); n_tokens counts
     the scored tokens. The model is moved only if device/dtype are given. ``within_documents``: every
     window lies inside one of the texts (long documents such as books), never across two.
+    ``anchor_len``: the windows' ends are chosen for this length (``perplexity_windows``).
     Rows: {stage, context_len, nll, ppl, n_tokens, window_nlls (each window's mean NLL)}.
     """
     dev = place_model(model, device, dtype)
     stream, spans = token_stream_spans(tokenizer, texts)
     windows = perplexity_windows(len(stream), context_lens, tail=tail, max_windows=max_windows,
-                                 max_len=max_positions(model), documents=spans if within_documents else None)
+                                 max_len=max_positions(model), documents=spans if within_documents else None,
+                                 anchor_len=anchor_len)
     ids = torch.tensor(stream, dtype=torch.long)
     rows = []
     with eval_mode(model):

@@ -54,8 +54,11 @@ def quality_lens(p: Pipeline, kind: str, slot: str) -> list[int]:
 
 
 def slot_settings(p: Pipeline, kind: str, slot: str) -> dict[str, Any]:
-    """A quality job's params: the kind's section with the slot's own context lengths."""
-    return canonical({**kind_settings(p, kind), "context_lens": quality_lens(p, kind, slot)})
+    """A quality job's params: the kind's section with the slot's own context lengths; for the
+    books also ``anchor_len``, the longest configured length, which places every slot's windows."""
+    settings = kind_settings(p, kind)
+    extra = {"anchor_len": max(settings["context_lens"], default=0)} if kind == "books" else {}
+    return canonical({**settings, "context_lens": quality_lens(p, kind, slot), **extra})
 
 
 def books_dir(p: Pipeline) -> Path:
