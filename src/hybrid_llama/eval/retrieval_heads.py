@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from transformers.models.llama.modeling_llama import LlamaAttention
 
 from hybrid_llama.eval.passkey import needle_trials
 
@@ -47,26 +46,26 @@ def rank_retrieval_heads(model, tokenizer, layers: Sequence[int], *, context_len
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     total: dict[tuple[int, int], float] = {}
     trial: dict = {}
-    original = LlamaAttention.forward
 
-    def scoring_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kw):
-        if self.layer_idx in layers:
-            q, k, _ = rotary_qkv(self, hidden_states, position_embeddings)
-            mass = needle_mass(q, k, trial["rows"], trial["needle"], self.scaling)
-            for h in range(cfg.num_key_value_heads):
-                key = (self.layer_idx, h)
-                total[key] = total.get(key, 0.0) + float(mass[h * group:(h + 1) * group].sum())
-        return original(self, hidden_states, position_embeddings, attention_mask, **kw)
+    def score(attn, args, kwargs) -> None:
+        # Reads the layer's input before it runs; the layer itself runs unchanged.
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        q, k, _ = rotary_qkv(attn, hidden, kwargs["position_embeddings"])
+        mass = needle_mass(q, k, trial["rows"], trial["needle"], attn.scaling)
+        for h in range(cfg.num_key_value_heads):
+            key = (attn.layer_idx, h)
+            total[key] = total.get(key, 0.0) + float(mass[h * group:(h + 1) * group].sum())
 
     cells = needle_trials(tokenizer, context_len=context_len, trials=trials, seed=SCORING_SEED)
-    LlamaAttention.forward = scoring_forward
+    hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(score, with_kwargs=True) for i in layers]
     try:
         for t in cells:
             ids = t["prompt"] + t["answer"][:-1]
             trial.update(rows=range(len(t["prompt"]) - 1, len(ids)), needle=t["needle"])
             model(input_ids=torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1)
     finally:
-        LlamaAttention.forward = original
+        for hook in hooks:
+            hook.remove()
     ranked = sorted(total, key=total.get, reverse=True)
     return [(layer, head, total[(layer, head)] / len(cells)) for layer, head in ranked]
 

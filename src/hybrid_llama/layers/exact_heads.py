@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .append_kv_cache import AppendKVCacheLayer
 
@@ -43,14 +44,23 @@ class ExactHeads:
 
     def attend(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None,
                store: AppendKVCacheLayer | None) -> Tensor:
-        """``out`` [B, H, T, D] with the exact heads' outputs in place of the op's. q is RoPE'd
-        ``[B, H, T, D]``, or already only the exact query heads (``[B, E·group, T, D]``); k, v likewise
-        at the KV heads. ``store`` keeps the exact heads' keys and values across calls (a cache)."""
+        """``out`` [B, H, T, D] with the exact heads' outputs in place of the op's; q ``[B, H, T, D]``
+        and k, v ``[B, H_kv, T, D]`` with RoPE applied. ``store`` keeps the exact heads' keys and
+        values across calls (a cache)."""
         q_index, kv_index = self.indices(q.device)
-        if q.shape[1] != q_index.numel():
-            q = q.index_select(1, q_index)
-        if k.shape[1] != kv_index.numel():
-            k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
+        return self._attend(out, q.index_select(1, q_index), k.index_select(1, kv_index),
+                            v.index_select(1, kv_index), attention_mask, store)
+
+    def step_before_rope(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                         rope: tuple[Tensor, Tensor], store: AppendKVCacheLayer) -> Tensor:
+        """:meth:`attend` for one unmasked token whose q and k arrive before RoPE (the native step
+        applies it inside its kernel): RoPE goes on the exact heads' slices only."""
+        q_index, kv_index = self.indices(q.device)
+        qe, ke = apply_rotary_pos_emb(q.index_select(1, q_index), k.index_select(1, kv_index), *rope)
+        return self._attend(out, qe, ke, v.index_select(1, kv_index), None, store)
+
+    def _attend(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None,
+                store: AppendKVCacheLayer | None) -> Tensor:
         if store is not None:
             k, v = store.update(k, v)
         t, n = q.shape[2], k.shape[2]
@@ -59,7 +69,7 @@ class ExactHeads:
                                            scale=self.scaling, enable_gqa=self.group > 1)
         if mask is not None:
             o = torch.nan_to_num(o)  # a padding query attends to nothing: 0, not NaN
-        return out.index_copy(1, q_index, o.to(out.dtype))
+        return out.index_copy(1, self.indices(q.device)[0], o.to(out.dtype))
 
 
 def exact_mask(attention_mask: Tensor | None, t: int, n: int, device: torch.device) -> Tensor | None:

@@ -263,10 +263,7 @@ class HybridLlamaAttention(LlamaAttention):
             out = self._native_step(q, k, v, slot, position_embeddings)
             if out is not None:
                 if self.exact is not None:
-                    q_index, kv_index = self.exact.indices(q.device)
-                    qe, ke = apply_rotary_pos_emb(q.index_select(1, q_index), k.index_select(1, kv_index),
-                                                  *position_embeddings)
-                    out = self.exact.attend(out, qe, ke, v.index_select(1, kv_index), None, slot.exact_store())
+                    out = self.exact.step_before_rope(out, q, k, v, position_embeddings, slot.exact_store())
                 return self.o_proj(out.transpose(1, 2).reshape(*input_shape, -1)), None
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         else:
