@@ -265,6 +265,14 @@ def test_paper_config_runs_every_length_for_every_slot():
         (lambda c: c["throughput"]["long"].update(variants=["nope"]), "throughput.long.variants", "name no variant"),
         (lambda c: c["data"]["books"].update(heldout=["pg0"]), "data.books.heldout", "no such book"),
         (lambda c: c["data"]["books"].update(local="no_such_dir"), "data.books.local", "not a directory"),
+        # the Hub's books: names must be pg<ebook number> (whatever the source), and with the Hub possible
+        # ('hf', or 'auto') the held-out books must be among them
+        (lambda c: c["data"]["books"]["names"].append("moby_dick"), "data.books.names[8]",
+         "'moby_dick' is not a Project Gutenberg book name"),
+        (lambda c: c["data"]["books"].update(source="hf", heldout=["pg84"]), "data.books.heldout",
+         "['pg84'] are not among the books taken from the Hub"),
+        (lambda c: c["data"]["books"].update(source="auto", names=["pg11", "pg16"]), "data.books.heldout",
+         "['pg5200'] are not among the books taken from the Hub"),
     ],
 )
 @needs_books

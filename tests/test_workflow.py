@@ -236,6 +236,14 @@ BAD_CONFIGS = {
         lambda c: c["data"]["transfer"].update(local="nowhere/none.jsonl"),
         ["'data.transfer.local'", "does not exist"],
     ),
+    "book_name_without_ebook_id": (
+        lambda c: c["data"]["books"]["names"].append("moby_dick"),
+        ["'data.books.names[8]'", "not a Project Gutenberg book name"],
+    ),
+    "heldout_book_not_on_the_hub": (
+        lambda c: c["data"]["books"].update(source="hf", heldout=["pg84"]),
+        ["'data.books.heldout'", "not among the books taken from the Hub"],
+    ),
 }
 
 
@@ -267,6 +275,26 @@ def test_good_test_config_dry_run(wf_copy):
     assert {j for j in jobs if j[0] == "export"} == {("export", "results/tiny/w16/model"),
                                                      ("export", "results/tiny/lc16/model")}
     assert ("report", "results/report.html") in jobs
+    assert "books_download" not in rules  # the mirror's books are read where they are
+
+
+def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_path):
+    """data.books.source hf: one books_download job writes every book of data.books.names, and the
+    book jobs read the held-out book from there instead of the mirror."""
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["data"]["books"]["source"] = "hf"
+    file = tmp_path / "hub_books.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rules = sorted(r for r, _ in planned_jobs(out.stdout))
+    assert rules.count("books_download") == 1 and rules.count("book_nll") == rules.count("niah") == 7
+    block = out.stdout.split("rule books_download:\n", 1)[1].split("\n\n", 1)[0]
+    outputs = [f"resources/data/books/{n}.txt" for n in cfg["data"]["books"]["names"]]
+    assert f"    output: {', '.join(outputs)}, resources/data/books/manifest.json\n" in block
+    book_jobs = [b for b in re.split(r"\n(?=\[)", out.stdout) if re.search(r"^rule (book_nll|niah):$", b, re.M)]
+    assert len(book_jobs) == 14
+    assert all("resources/data/books/pg5200.txt" in b and str(SHARED) not in b for b in book_jobs)
 
 
 _PARSE_PROBE = """

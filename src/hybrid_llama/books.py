@@ -33,6 +33,20 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
+# A book's name is its mirror file stem: pg<N> for Project Gutenberg ebook N (no leading zeros, as
+# Gutenberg numbers them), which is how the Hub data sets identify the same book.
+_GUTENBERG_NAME = re.compile(r"pg([1-9][0-9]*)")
+
+
+def gutenberg_id(name: str) -> str:
+    """The Project Gutenberg ebook number a book name stands for (``pg1342`` -> ``"1342"``); ValueError
+    for a name of any other form."""
+    m = _GUTENBERG_NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a Project Gutenberg book name (pg<ebook number>, e.g. pg1342)")
+    return m.group(1)
+
+
 def book_names(directory: str | Path) -> list[str]:
     """The books of a directory: the stems of its ``*.txt`` files, sorted."""
     return sorted(p.stem for p in Path(directory).glob("*.txt"))

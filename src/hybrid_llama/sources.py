@@ -29,6 +29,7 @@ __all__ = [
     "iter_documents",
     "iter_rows",
     "source_files",
+    "source_label",
     "split_documents",
     "split_of",
 ]
@@ -138,6 +139,14 @@ def source_files(source: dict) -> list[Path]:
     return _resolve_files(source["path"]) if source.get("kind", "local") == "local" else []
 
 
+def source_label(source: dict) -> str:
+    """How messages name a source: ``hf:<path>[/<name>]:<split>``, or a local source's path."""
+    if source.get("kind", "local") != "hf":
+        return str(source.get("path"))
+    name = source.get("name")
+    return f"hf:{source['path']}" + (f"/{name}" if name else "") + f":{source.get('split', 'train')}"
+
+
 def iter_rows(source: dict) -> Iterator[tuple[dict, str]]:
     """Yield (row dict, origin) from a source spec; see the module docstring for the spec."""
     kind = source.get("kind", "local")
@@ -151,7 +160,7 @@ def iter_rows(source: dict) -> Iterator[tuple[dict, str]]:
 
         name = source.get("name")
         split = source.get("split", "train")
-        label = f"hf:{source['path']}" + (f"/{name}" if name else "") + f":{split}"
+        label = source_label(source)
         try:
             ds = datasets.load_dataset(
                 source["path"], name, split=split, streaming=True, revision=source.get("revision")

@@ -1,13 +1,14 @@
 # Data: the packed transfer corpora (one per model and per seq_len x num_tokens that a variant
 # trains on) and the tokenized instruction data, per model (they depend on the tokenizer), and MMLU
-# from Hugging Face when there is no local mirror. These steps download, so they run on the
-# submitting host (localrules).
+# and the long-document books from Hugging Face when there is no local mirror. These steps
+# download, so they run on the submitting host (localrules).
 
 
 localrules:
     transfer_data,
     instruct_data,
     mmlu_download,
+    books_download,
 
 
 rule transfer_data:
@@ -65,3 +66,21 @@ rule mmlu_download:
         id=config["data"]["mmlu"]["hf"],
     script:
         "../scripts/mmlu_download.py"
+
+
+# Only the book jobs of a config whose books come from the Hub (data.books) ask for these files.
+rule books_download:
+    output:
+        books=P.hub_book_files(),
+        manifest=path("books_manifest"),
+    log:
+        log_of("books_download"),
+    benchmark:
+        benchmark_of("books_download")
+    conda:
+        "../../envs/eval.yaml"
+    params:
+        source=P.books_hub_source(),
+        books=P.hub_books(),
+    script:
+        "../scripts/books_download.py"

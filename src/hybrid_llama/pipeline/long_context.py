@@ -1,5 +1,6 @@
 """The config seen by the long-context evaluations: the recommended variant, which result slots run
-the long lengths, and the held-out books.
+the long lengths, and the held-out books (the mirror's directory, or the Hub's books that rule
+books_download writes in the same layout).
 
 An 8K forward of a 135M model costs about a minute on one CPU core, so the lengths of
 ``quality.long_context.from_len`` tokens and more run only for the slots listed per kind under
@@ -13,15 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybrid_llama.books import gutenberg_id
 from hybrid_llama.config import canonical
 
-from .paths import LONG_CONTEXT_KINDS
+from .paths import LONG_CONTEXT_KINDS, PATHS, path
 
 if TYPE_CHECKING:  # views imports this module
     from .views import Pipeline
 
-__all__ = ["book_files", "books_dir", "books_source", "kind_settings", "long_slots", "quality_lens", "recommended",
-           "slot_settings", "throughput_long", "uses_books", "check_long_context"]
+__all__ = ["book_files", "books_dir", "books_hub_source", "books_source", "hub_book_files", "hub_books",
+           "kind_settings", "long_slots", "quality_lens", "recommended", "slot_settings", "throughput_long",
+           "uses_books", "check_long_context"]
 
 
 def recommended(p: Pipeline) -> str | None:
@@ -62,7 +65,25 @@ def slot_settings(p: Pipeline, kind: str, slot: str) -> dict[str, Any]:
 
 
 def books_dir(p: Pipeline) -> Path:
+    """Where the book jobs find ``<name>.txt``: the mirror's directory, or the Hub books' (books_download)."""
+    if p.data_kind("books") == "hf":
+        return Path(PATHS["book"]).parent
     return p.local_data_path(p.config["data"]["books"]["local"])
+
+
+def hub_books(p: Pipeline) -> dict[str, str]:
+    """``{name: Project Gutenberg ebook id}`` of the books taken from the Hub (``data.books.names``)."""
+    return {name: gutenberg_id(name) for name in p.config["data"]["books"]["names"]}
+
+
+def books_hub_source(p: Pipeline) -> dict[str, Any]:
+    """The ``hybrid_llama.sources`` spec of the books' Hub data set, with its id and text columns."""
+    return canonical({"kind": "hf", **p.config["data"]["books"]["hf"]})
+
+
+def hub_book_files(p: Pipeline) -> list[str]:
+    """The files books_download writes: every book of ``data.books.names``, as the mirror has them."""
+    return [path("book", book=name) for name in p.config["data"]["books"]["names"]]
 
 
 def books_source(p: Pipeline) -> dict[str, Any]:
@@ -81,8 +102,10 @@ def uses_books(p: Pipeline) -> bool:
 
 
 def check_long_context(p: Pipeline) -> None:
-    """ConfigError for a recommended variant or a long-length slot that names no variant, and for
-    held-out books that are not in the books directory (when an evaluation reads them)."""
+    """ConfigError for a recommended variant or a long-length slot that names no variant, for a book
+    name (data.books.names) that is not pg<ebook number>, and, when an evaluation reads the books, for
+    held-out books the Hub would not provide (source hf or auto) or the mirror's directory lacks (when
+    it is read)."""
     from hybrid_llama.config import ConfigError
     from hybrid_llama.names import SHARED_STAGES
 
@@ -101,8 +124,22 @@ def check_long_context(p: Pipeline) -> None:
         if unknown:
             raise ConfigError(f"quality.long_context.slots.{kind}",
                               f"{unknown} name no result slot (base, base_lora, a variant or 'recommended')")
+    books = p.config["data"]["books"]
+    for i, name in enumerate(books["names"]):  # always: rule books_download maps them at parse time
+        try:
+            gutenberg_id(name)
+        except ValueError as e:
+            raise ConfigError(f"data.books.names[{i}]", str(e)) from None
     if not uses_books(p):
         return
+    # 'auto' resolves per machine, so a config with it must also hold where the Hub is read
+    if books["source"] != "local":
+        absent = [b for b in books["heldout"] if b not in books["names"]]
+        if absent:
+            raise ConfigError("data.books.heldout", f"{absent} are not among the books taken from the Hub "
+                                                    f"(data.books.names: {books['names']})")
+    if p.data_kind("books") == "hf":
+        return  # the files come from rule books_download
     directory = books_dir(p)
     if not directory.is_dir():
         raise ConfigError("data.books.local", f"{directory} is not a directory (shared_data = {p.shared_data()})")

@@ -58,6 +58,9 @@ PATHS: dict[str, str] = {
     "instruct_data": "resources/data/instruct/{model}.safetensors",
     "instruct_manifest": "resources/data/instruct/{model}.json",
     "mmlu_manifest": "resources/data/mmlu/manifest.json",
+    # The books taken from the Hub (data.books), laid out like the mirror's directory.
+    "book": "resources/data/books/{book}.txt",
+    "books_manifest": "resources/data/books/manifest.json",
     "hybrid_layers": "results/{model}/{variant}/transfer/hybrid_layers.safetensors",
     "transfer_metrics": "results/{model}/{variant}/transfer/metrics.json",
     "transfer_loss": "results/{model}/{variant}/transfer/loss.csv",
@@ -106,6 +109,7 @@ WILDCARD_PATTERNS = {
     "kind": r"[a-z_]+",
     "seq_len": r"\d+",
     "num_tokens": r"\d+|all",
+    "book": r"[A-Za-z0-9][A-Za-z0-9_.-]*",  # a file stem, as data.books names it
     "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
     "key": r"[0-9a-f]+",
 }

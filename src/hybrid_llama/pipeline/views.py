@@ -66,7 +66,7 @@ class Pipeline:
         return p if p.is_absolute() else self.shared_data() / p
 
     def data_kind(self, name: str) -> str:
-        """'local' or 'hf' for data set ``name`` (transfer | instruct | mmlu), resolving 'auto'."""
+        """'local' or 'hf' for data set ``name`` (transfer | instruct | mmlu | books), resolving 'auto'."""
         cfg = self.config["data"][name]
         if cfg["source"] != "auto":
             return cfg["source"]
@@ -195,6 +195,15 @@ class Pipeline:
 
     def book_files(self) -> list[str]:
         return long_context.book_files(self)
+
+    def hub_books(self) -> dict[str, str]:
+        return long_context.hub_books(self)
+
+    def books_hub_source(self) -> dict:
+        return long_context.books_hub_source(self)
+
+    def hub_book_files(self) -> list[str]:
+        return long_context.hub_book_files(self)
 
     def book_tables(self, model: str, device: str) -> list[str]:
         """The books NLL tables of the variants that have one (the books figure reads them)."""
