@@ -28,6 +28,7 @@
  *   Hedgehog maps: wq [H, D, F/2], bq [H, F/2], wk [Hk, D, F/2], bk [Hk, F/2].
  * Query head h reads KV head h / (H / Hk).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -147,6 +148,25 @@ static inline float lane_sum(vec16 x) {
     memcpy(l, &x, sizeof l);
     for (int half = 8; half >= 1; half /= 2)
         for (int i = 0; i < half; i++) l[i] += l[i + half];
+    return l[0];
+}
+
+/* The lane-wise maximum, and the largest of 16 lanes. */
+static inline vec16 vmax16(vec16 a, vec16 b) {
+    const vec16i take_b = b > a;
+    vec16i ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ai = (take_b & bi) | (~take_b & ai);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+static inline float lane_max(vec16 x) {
+    float l[16];
+    memcpy(l, &x, sizeof l);
+    for (int half = 8; half >= 1; half /= 2)
+        for (int i = 0; i < half; i++) l[i] = l[i + half] > l[i] ? l[i + half] : l[i];
     return l[0];
 }
 
@@ -713,11 +733,13 @@ int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, i
  * p <= t - w), the cache (its valid slots) and the positions lo_t .. t: block J's keys that have left
  * the window, then the window, with lo_t = range_lo for J >= 1 (block J's start) and
  * max(0, min(ns, t - w + 1)) for J = 0 (range_lo = 0); plus phi(q) S and phi(q) z over the J closed
- * blocks, all under the shared normalizer. The block's closing (eviction and fold) stays in torch.
+ * blocks, all under the shared normalizer. The block's closing (eviction and fold) is
+ * hybrid_sparse_close_f32's, or torch's for scores other than 'sre'.
  *
  * Each (batch row, KV head) copies its group's keys once into the workspace, transposed
  * ([sinks | cache | range] as columns), so a query's scores are D vector updates over 16 keys at a
- * time for all the query heads that read it; values go through rows_times. Layouts: q, out
+ * time for all the query heads that read it; values go through rows_times, and so does the linear
+ * readout phi(q) S of the query heads together, skipped before the first fold. Layouts: q, out
  * [B, H, T, D] and k, v [B, Hk, T, D] strided as in hybrid_prefill_f32; cache_k, cache_v
  * [B, Hk, lam, D] and cache_ok [B, Hk, lam] (bytes) contiguous; S [B, Hk, F, D], z [B, Hk, F]; wa, wb
  * [H] mixing weights; Hedgehog query maps wq [H, D, F/2], bq [H, F/2]. work:
@@ -728,7 +750,7 @@ static inline int sparse_group_columns(int w, int ns, int lam) { return (2 * ns 
 
 long long hybrid_sparse_group_workspace(int B, int Hk, int g, int D, int F, int w, int ns, int lam, int threads) {
     const long long ld = sparse_group_columns(w, ns, lam);
-    return (long long)B * Hk * ld * 2 * D + (long long)threads * (g * ld + ld + F + g * D);
+    return (long long)B * Hk * ld * 2 * D + (long long)threads * (g * ld + ld + (long long)g * F + 2LL * g * D);
 }
 
 static inline __attribute__((always_inline)) void group_scores(const int G, int n, int D, const float *const *qs,
@@ -772,7 +794,7 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
     const float scale = 1.0f / sqrtf((float)D);
     const int BH = B * Hk;
     float *keys = work, *thread_work = work + (size_t)BH * ld * 2 * D;
-    const long long per_thread = (long long)g * ld + ld + F + (long long)g * D;
+    const long long per_thread = (long long)g * ld + ld + (long long)g * F + 2LL * g * D;
 
     #pragma omp parallel num_threads(threads)
     {
@@ -797,7 +819,8 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
         #else
         float *mine = thread_work;
         #endif
-        float *scores = mine, *keep = scores + (size_t)g * ld, *phi = keep + ld, *acc = phi + F;
+        float *scores = mine, *keep = scores + (size_t)g * ld, *phi = keep + ld, *acc = phi + (size_t)g * F;
+        float *num = acc + (size_t)g * D;
         const long long nq = t1 - t0;
         #pragma omp for schedule(static)
         for (long long item = 0; item < BH * nq; item++) {
@@ -830,9 +853,16 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
             }
             float sums[MAX_G];
             for (int j = 0; j < g; j++) {
-                float *sj = dst[j], top = -INFINITY;
-                for (int i = 0; i < n; i++)
-                    if (keep[i] != 0.0f && sj[i] > top) top = sj[i];
+                float *sj = dst[j];
+                /* the largest kept score: a dropped key counts as -FLT_MAX (keep is 0 or 1, scores finite) */
+                vec16 most = splat(-FLT_MAX);
+                for (int c = 0; c < n16; c += 16) {
+                    vec16 x, kp;
+                    memcpy(&x, sj + c, sizeof x);
+                    memcpy(&kp, keep + c, sizeof kp);
+                    most = vmax16(most, x * kp + splat(-FLT_MAX) * (splat(1.0f) - kp));
+                }
+                const float top = lane_max(most);
                 vec16 total = splat(0.0f);
                 for (int c = 0; c < n16; c += 16) {
                     vec16 x, kp;
@@ -851,15 +881,41 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
                 rows_times_all(g, n, (const float *const *)dst, V + c, D, 1.0f, cols);
             }
             const float *Sh = S + (size_t)bh * F * D, *zh = z + (size_t)bh * F;
+            /* Before the first fold S and z are zero (z sums positive features), so is the readout */
+            int folded = 0;
+            for (int f = 0; f < F && !folded; f++) folded = zh[f] != 0.0f;
+            float dens[MAX_G];
+            if (folded) {
+                /* phi(q) S for the g query heads at once, S's rows loaded once for all of them */
+                const float *phis[MAX_G];
+                float *nums[MAX_G];
+                for (int j = 0; j < g; j++) {
+                    float *pj = phi + (size_t)j * F;
+                    const int h = kh * g + j;
+                    feature_map(map, D, F, qs[j], wq + (size_t)h * D * (F / 2), bq + (size_t)h * (F / 2), pj);
+                    float den = 0.0f;
+                    for (int f = 0; f < F; f++) den += pj[f] * zh[f];
+                    dens[j] = den;
+                    phis[j] = pj;
+                }
+                for (int c = 0; c < D; c += TILE) {
+                    for (int j = 0; j < g; j++) nums[j] = num + (size_t)j * D + c;
+                    rows_times_all(g, F, phis, Sh + c, D, 1.0f, nums);
+                }
+            }
             for (int j = 0; j < g; j++) {
                 const int h = kh * g + j;
-                float num[MAX_D];
-                const float den = linear_readout(map, D, F, h, qs[j], wq, bq, Sh, zh, phi, num);
                 float *o = out + bi * o_b + h * o_h + t * o_t;
-                const float total = wa[h] * sums[j] + wb[h] * den;
+                const float *nj = num + (size_t)j * D;
+                const float total = wa[h] * sums[j] + (folded ? wb[h] * dens[j] : 0.0f);
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                #pragma omp simd
-                for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + wb[h] * num[d]) * inv;
+                if (folded) {
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + wb[h] * nj[d]) * inv;
+                } else {
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) o[d] = wa[h] * accs[j][d] * inv;
+                }
             }
         }
     }
@@ -1023,6 +1079,52 @@ static long long close_floats_per_head(int D, int F, int w, int lam) {
     return rows + n * (long long)((sizeof(close_rank) + sizeof(float) - 1) / sizeof(float));
 }
 
+/* The close's arguments that locate one head's rows, and one head's rows and scratch. */
+typedef struct {
+    int Hk, D, F, w, lam;
+    long long block;
+    const float *k;
+    long long k_b, k_h, k_t;
+    const float *v;
+    long long v_b, v_h, v_t;
+    float *cache_k, *cache_v;
+    long long *cache_pos;
+    unsigned char *cache_ok;
+    float *S, *z, *work;
+} close_args;
+
+typedef struct {
+    int kh;
+    const float *k, *v;  /* the head's keys and values at position 0 */
+    float *cache_k, *cache_v, *S, *z;
+    long long *cache_pos;
+    unsigned char *cache_ok;
+    float *phi, *num, *new_k, *new_v;  /* scratch: every candidate's phi and phi S, the kept rows */
+    close_rank *rank;
+} close_head;
+
+static inline close_head close_head_at(const close_args *a, int bh) {
+    const int n = a->lam + a->w, bi = bh / a->Hk, kh = bh % a->Hk, D = a->D, F = a->F, lam = a->lam;
+    float *phi = a->work + (size_t)bh * close_floats_per_head(D, F, a->w, lam);
+    float *num = phi + (size_t)n * F, *new_k = num + (size_t)n * D;
+    return (close_head){
+        kh, a->k + bi * a->k_b + kh * a->k_h, a->v + bi * a->v_b + kh * a->v_h,
+        a->cache_k + (size_t)bh * lam * D, a->cache_v + (size_t)bh * lam * D, a->S + (size_t)bh * F * D,
+        a->z + (size_t)bh * F, a->cache_pos + (size_t)bh * lam, a->cache_ok + (size_t)bh * lam,
+        phi, num, new_k, new_k + (size_t)lam * D,
+        (close_rank *)(phi + ((size_t)n * F + (size_t)n * D + 2 * (size_t)lam * D + 3) / 4 * 4),
+    };
+}
+
+/* Candidate j's key and value: cache slot j, or the block's key j - lam. */
+static inline const float *candidate_key(const close_args *a, const close_head *h, int j) {
+    return j < a->lam ? h->cache_k + (size_t)j * a->D : h->k + (a->block + j - a->lam) * a->k_t;
+}
+
+static inline const float *candidate_value(const close_args *a, const close_head *h, int j) {
+    return j < a->lam ? h->cache_v + (size_t)j * a->D : h->v + (a->block + j - a->lam) * a->v_t;
+}
+
 long long hybrid_sparse_close_workspace(int B, int Hk, int D, int F, int w, int lam) {
     return (long long)B * Hk * close_floats_per_head(D, F, w, lam);
 }
@@ -1039,80 +1141,94 @@ int hybrid_sparse_close_f32(int B, int Hk, int D, int F, int w, int lam, int map
         return -1;
     const int n = lam + w, BH = B * Hk;
     const long long LONG_MAX_POS = 0x7fffffffffffffffLL;
+    /* Four phases, each parallel over enough items for every thread (there are few KV heads: over
+     * them alone, 3 heads on 2 threads left one idle a third of the time): the candidates' features
+     * and phi S in chunks of 16, the scores and ranking per head, the fold per 16 rows of S, and the
+     * kept rows' copy per head. */
+    enum { CHUNK = 16 };
+    const int chunks = (n + CHUNK - 1) / CHUNK, row_chunks = (F + CHUNK - 1) / CHUNK;
+    const close_args args = {Hk, D, F, w, lam, block, k, k_b, k_h, k_t, v, v_b, v_h, v_t, cache_k, cache_v, cache_pos,
+                             cache_ok, S, z, work};
 
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int bh = 0; bh < BH; bh++) {
-        const int bi = bh / Hk, kh = bh % Hk;
-        float *phi = work + (size_t)bh * close_floats_per_head(D, F, w, lam);
-        float *num = phi + (size_t)n * F, *new_k = num + (size_t)n * D, *new_v = new_k + (size_t)lam * D;
-        close_rank *rank = (close_rank *)(phi + ((size_t)n * F + (size_t)n * D + 2 * (size_t)lam * D + 3) / 4 * 4);
-        float *ck = cache_k + (size_t)bh * lam * D, *cv = cache_v + (size_t)bh * lam * D;
-        long long *cpos = cache_pos + (size_t)bh * lam;
-        unsigned char *cok = cache_ok + (size_t)bh * lam;
-        float *Sh = S + (size_t)bh * F * D, *zh = z + (size_t)bh * F;
-        const float *W = map == MAP_HEDGEHOG ? wk + (size_t)kh * D * (F / 2) : NULL;
-        const float *bias = map == MAP_HEDGEHOG ? bk + (size_t)kh * (F / 2) : NULL;
-        for (int j = 0; j < n; j++) {
-            const float *kr = j < lam ? ck + (size_t)j * D : k + bi * k_b + kh * k_h + (block + j - lam) * k_t;
-            feature_map(map, D, F, kr, W, bias, phi + (size_t)j * F);
-        }
-        /* num = phi S for four candidates at a time: each row of S is loaded once for the four */
-        for (int j0 = 0; j0 < n; j0 += 4) {
-            const int m = n - j0 < 4 ? n - j0 : 4;
-            const float *wts[4];
-            float *dst[4];
-            for (int d0 = 0; d0 < D; d0 += TILE) {
-                for (int i = 0; i < m; i++) wts[i] = phi + (size_t)(j0 + i) * F, dst[i] = num + (size_t)(j0 + i) * D + d0;
-                rows_times_all(m, F, wts, Sh + d0, D, 1.0f, dst);
-            }
-        }
-        for (int j = 0; j < n; j++) {
-            const int cached = j < lam;
-            const float *vr = cached ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
-            const int valid = cached ? cok[j] != 0 : 1;
-            const float *pj = phi + (size_t)j * F, *nj = num + (size_t)j * D;
-            float score = -INFINITY;
-            if (valid) {
-                float den = SRE_EPS, err = 0.0f;
-                for (int f = 0; f < F; f++) den += pj[f] * zh[f];
-                for (int d = 0; d < D; d++) {
-                    const float diff = vr[d] - nj[d] / den;
-                    err += diff * diff;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int item = 0; item < BH * chunks; item++) {
+            const int bh = item / chunks, j0 = item % chunks * CHUNK, j1 = j0 + CHUNK < n ? j0 + CHUNK : n;
+            const close_head h = close_head_at(&args, bh);
+            const float *W = map == MAP_HEDGEHOG ? wk + (size_t)h.kh * D * (F / 2) : NULL;
+            const float *bias = map == MAP_HEDGEHOG ? bk + (size_t)h.kh * (F / 2) : NULL;
+            for (int j = j0; j < j1; j++) feature_map(map, D, F, candidate_key(&args, &h, j), W, bias, h.phi + (size_t)j * F);
+            /* num = phi S for four candidates at a time: each row of S is loaded once for the four */
+            for (int a = j0; a < j1; a += 4) {
+                const int m = j1 - a < 4 ? j1 - a : 4;
+                const float *wts[4];
+                float *dst[4];
+                for (int d0 = 0; d0 < D; d0 += TILE) {
+                    for (int i = 0; i < m; i++) wts[i] = h.phi + (size_t)(a + i) * F, dst[i] = h.num + (size_t)(a + i) * D + d0;
+                    rows_times_all(m, F, wts, h.S + d0, D, 1.0f, dst);
                 }
-                score = sqrtf(err);
-            }
-            const long long at = cached ? cpos[j] : block + j - lam;
-            rank[j] = (close_rank){score, j, valid ? at : LONG_MAX_POS, at};
-        }
-        qsort(rank, n, sizeof *rank, by_score);
-        /* fold the valid candidates that lost (ranks lam..n-1), before the kept rows are rewritten */
-        for (int r = lam; r < n; r++) {
-            const int j = rank[r].index;
-            if (rank[r].pos == LONG_MAX_POS) continue;
-            const float *vr = j < lam ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
-            const float *pj = phi + (size_t)j * F;
-            for (int f = 0; f < F; f++) {
-                const float p = pj[f];
-                float *row = Sh + (size_t)f * D;
-                zh[f] += p;
-                #pragma omp simd
-                for (int d = 0; d < D; d++) row[d] += p * vr[d];
             }
         }
-        qsort(rank, lam, sizeof *rank, by_position);
-        for (int r = 0; r < lam; r++) {
-            const int j = rank[r].index;
-            const float *kr = j < lam ? ck + (size_t)j * D : k + bi * k_b + kh * k_h + (block + j - lam) * k_t;
-            const float *vr = j < lam ? cv + (size_t)j * D : v + bi * v_b + kh * v_h + (block + j - lam) * v_t;
-            memcpy(new_k + (size_t)r * D, kr, sizeof(float) * D);
-            memcpy(new_v + (size_t)r * D, vr, sizeof(float) * D);
+        #pragma omp for schedule(static)
+        for (int bh = 0; bh < BH; bh++) {
+            const close_head h = close_head_at(&args, bh);
+            const float *zh = h.z;
+            close_rank *rank = h.rank;
+            for (int j = 0; j < n; j++) {
+                const int cached = j < lam;
+                const int valid = cached ? h.cache_ok[j] != 0 : 1;
+                const float *pj = h.phi + (size_t)j * F, *nj = h.num + (size_t)j * D, *vr = candidate_value(&args, &h, j);
+                float score = -INFINITY;
+                if (valid) {
+                    float den = SRE_EPS, err = 0.0f;
+                    for (int f = 0; f < F; f++) den += pj[f] * zh[f];
+                    for (int d = 0; d < D; d++) {
+                        const float diff = vr[d] - nj[d] / den;
+                        err += diff * diff;
+                    }
+                    score = sqrtf(err);
+                }
+                const long long at = cached ? h.cache_pos[j] : block + j - lam;
+                rank[j] = (close_rank){score, j, valid ? at : LONG_MAX_POS, at};
+            }
+            qsort(rank, n, sizeof *rank, by_score);
         }
-        for (int r = 0; r < lam; r++) {  /* an empty slot keeps the position it had, as the torch path's gather */
-            cpos[r] = rank[r].slot_pos;
-            cok[r] = rank[r].pos != LONG_MAX_POS;
+        /* fold the valid candidates that lost (ranks lam..n-1) into rows f0 .. f1-1 of S, in rank order,
+         * before the kept rows are rewritten */
+        #pragma omp for schedule(static)
+        for (int item = 0; item < BH * row_chunks; item++) {
+            const int bh = item / row_chunks, f0 = item % row_chunks * CHUNK, f1 = f0 + CHUNK < F ? f0 + CHUNK : F;
+            const close_head h = close_head_at(&args, bh);
+            for (int r = lam; r < n; r++) {
+                if (h.rank[r].pos == LONG_MAX_POS) continue;
+                const int j = h.rank[r].index;
+                const float *vr = candidate_value(&args, &h, j), *pj = h.phi + (size_t)j * F;
+                for (int f = f0; f < f1; f++) {
+                    const float p = pj[f];
+                    float *row = h.S + (size_t)f * D;
+                    h.z[f] += p;
+                    #pragma omp simd
+                    for (int d = 0; d < D; d++) row[d] += p * vr[d];
+                }
+            }
         }
-        memcpy(ck, new_k, sizeof(float) * lam * D);
-        memcpy(cv, new_v, sizeof(float) * lam * D);
+        #pragma omp for schedule(static)
+        for (int bh = 0; bh < BH; bh++) {
+            const close_head h = close_head_at(&args, bh);
+            qsort(h.rank, lam, sizeof *h.rank, by_position);
+            for (int r = 0; r < lam; r++) {
+                const int j = h.rank[r].index;
+                memcpy(h.new_k + (size_t)r * D, candidate_key(&args, &h, j), sizeof(float) * D);
+                memcpy(h.new_v + (size_t)r * D, candidate_value(&args, &h, j), sizeof(float) * D);
+            }
+            for (int r = 0; r < lam; r++) {  /* an empty slot keeps the position it had, as the torch path's gather */
+                h.cache_pos[r] = h.rank[r].slot_pos;
+                h.cache_ok[r] = h.rank[r].pos != LONG_MAX_POS;
+            }
+            memcpy(h.cache_k, h.new_k, sizeof(float) * lam * D);
+            memcpy(h.cache_v, h.new_v, sizeof(float) * lam * D);
+        }
     }
     return 0;
 }
