@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = "src/hybrid_llama/ops/native"
+sys.path.insert(0, str(REPO / "tests"))  # op_inputs: the kernels' tests' trained-looking maps
 
 
 def build_revision(rev: str, directory: Path) -> ctypes.CDLL:
@@ -48,7 +49,6 @@ def build_revision(rev: str, directory: Path) -> ctypes.CDLL:
 
 
 def problem(T: int, seed: int = 0):
-    sys.path.insert(0, str(REPO / "tests"))
     from op_inputs import trained_maps
 
     g = torch.Generator().manual_seed(seed)
