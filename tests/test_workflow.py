@@ -179,6 +179,7 @@ def test_schema_fills_defaults_for_a_minimal_config():
         "sinks": 0,
         "cache_score": "sre",
         "softmax_heads": [],
+        "decay": None,
     }
     assert cfg["lora"]["r"] == 8 and cfg["lora"]["alpha"] == 16 and cfg["lora"]["lr"] == 1e-4
     assert cfg["base_lora"]["target"] == "all" and "r" not in cfg["base_lora"]  # overrides only

@@ -92,12 +92,14 @@ SPARSE_CACHE_KEYS = ("sparse_cache", "sinks", "cache_score")
 
 def without_unused_hybrid_keys(hybrid: dict) -> dict:
     """A hybrid block as saved and as rules get it: the sparse-cache keys only while the cache is on
-    (some keys or sinks), ``softmax_heads`` only when it names heads; so neither a config.json nor a
-    rule's params change for a model that never uses them."""
+    (some keys or sinks), ``softmax_heads`` only when it names heads, ``decay`` only when set; so
+    neither a config.json nor a rule's params change for a model that never uses them."""
     h = dict(hybrid)
     if not (h.get("sparse_cache") or h.get("sinks")):
         for key in SPARSE_CACHE_KEYS:
             h.pop(key, None)
     if not h.get("softmax_heads", True):
         del h["softmax_heads"]
+    if "decay" in h and h["decay"] is None:
+        del h["decay"]
     return h

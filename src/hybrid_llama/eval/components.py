@@ -65,7 +65,8 @@ def window_shares(
                 window, cache = shares[:, :, queries, 0], shares[:, :, queries, 1]
             else:
                 window = window_share(q, k, wl, ll, window=cfg.window, formulation=cfg.formulation,
-                                      feature_map=layer.op_feature_map(), query_positions=queries)
+                                      feature_map=layer.op_feature_map(), query_positions=queries,
+                                      log_decay=layer.op_log_decay())
                 cache = None
             acc = sums[layer.layer_idx, length["L"]]
             acc[0] += float(window.nansum())

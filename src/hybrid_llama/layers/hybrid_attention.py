@@ -11,6 +11,7 @@ a :class:`HybridCacheLayer` on first use, while softmax layers keep their normal
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -58,6 +59,10 @@ class HybridConfig:
     # over the whole context (a growing KV cache) instead of the hybrid op; the heads a base model
     # reads a needle with (``hybrid_llama.eval.retrieval_heads``). Empty: none.
     softmax_heads: list[list[int]] = field(default_factory=list)
+    # A decaying linear state: the initial gamma of ``S <- gamma S + phi(k) v^T`` (one learnable gamma
+    # = sigmoid(decay_logit) per KV head, in ``.mixing``, trained with the mixing logits); None: no
+    # decay, the sums grow with every key that leaves the window.
+    decay: float | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -78,6 +83,12 @@ class HybridConfig:
         except ValueError as exc:
             raise ValueError(f"HybridConfig: {exc}") from None
         self.softmax_heads = normalized_softmax_heads(self.softmax_heads, self.layers)
+        if self.decay is not None:
+            self.decay = float(self.decay)
+            if not 0.0 < self.decay < 1.0:
+                raise ValueError(f"HybridConfig.decay must be in (0, 1) or None, got {self.decay}")
+            if self.sparse.active:
+                raise ValueError("HybridConfig.decay: a decaying linear state has no sparse-cache path yet")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as config.json stores it; the sparse-cache keys only when the cache is on, so
@@ -91,7 +102,7 @@ class HybridConfig:
     @property
     def native_steps(self) -> bool:
         """Whether a generate step may take the native CPU call (``ops.takes_native_step``)."""
-        return takes_native_step(self.backend, self.sparse)
+        return takes_native_step(self.backend, self.sparse) and self.decay is None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -116,12 +127,16 @@ def normalized_softmax_heads(pairs, layers: list[int]) -> list[list[int]]:
 
 
 class MixingLogits(nn.Module):
-    """Per-head logits of the two attention parts; sigmoid(0) = 0.5 each at init."""
+    """Per-head logits of the two attention parts; sigmoid(0) = 0.5 each at init. With a ``decay``
+    (initial gamma), also ``decay_logit`` per KV head: the linear state decays by sigmoid(decay_logit)
+    per position. It lives here so that it trains, saves and loads as the mixing logits do."""
 
-    def __init__(self, num_heads: int) -> None:
+    def __init__(self, num_heads: int, decay: float | None = None, num_kv_heads: int | None = None) -> None:
         super().__init__()
         self.window_logit = nn.Parameter(torch.zeros(num_heads))
         self.linear_logit = nn.Parameter(torch.zeros(num_heads))
+        if decay is not None:
+            self.decay_logit = nn.Parameter(torch.full((num_kv_heads or num_heads,), math.log(decay / (1 - decay))))
 
     def extra_repr(self) -> str:
         return f"num_heads={self.window_logit.numel()}"
@@ -202,7 +217,7 @@ class HybridLlamaAttention(LlamaAttention):
         super().__init__(config, layer_idx)
         self.hybrid = hybrid
         self.num_heads = config.num_attention_heads
-        self.mixing = MixingLogits(self.num_heads)
+        self.mixing = MixingLogits(self.num_heads, hybrid.decay, config.num_key_value_heads)
         self.feature_map = make_feature_map(
             hybrid.feature_map, self.num_heads, self.head_dim, config.num_key_value_heads
         )
@@ -238,6 +253,12 @@ class HybridLlamaAttention(LlamaAttention):
             logits = mixing._parameters
             return logits["window_logit"], logits["linear_logit"]
         return mixing.window_logit, mixing.linear_logit
+
+    def op_log_decay(self) -> Tensor | None:
+        """log gamma ``[H_kv]`` of a decaying linear state, as the ops take it; None without a decay."""
+        if self.hybrid.decay is None:
+            return None
+        return F.logsigmoid(self._modules["mixing"].decay_logit)
 
     def forward(
         self,
@@ -280,13 +301,14 @@ class HybridLlamaAttention(LlamaAttention):
             keep_state = slot is not None and not self.training
             out, state = layer_prompt(q, k, v, *self.op_logits(), window=cfg.window, backend=cfg.backend,
                                       formulation=cfg.formulation, feature_map=self.op_feature_map(),
-                                      key_padding_mask=valid, keep_state=keep_state, sparse=cfg.sparse)
+                                      key_padding_mask=valid, keep_state=keep_state, sparse=cfg.sparse,
+                                      log_decay=self.op_log_decay())
             if isinstance(state, DeferredState):
                 slot.defer_state(state)
             elif slot is not None:
                 slot.set_state(state, q_len)
         else:
-            fmap, (wl, ll) = self.op_feature_map(), self.op_logits()
+            fmap, (wl, ll), log_decay = self.op_feature_map(), self.op_logits(), self.op_log_decay()
             state, outs = slot.state, []
             for t in range(q_len):
                 # One token (every generate step): q, k, v as they are; slicing costs ops that run cold.
@@ -301,6 +323,7 @@ class HybridLlamaAttention(LlamaAttention):
                     backend=cfg.backend,
                     inplace=not torch.is_grad_enabled(),  # the cache owns its state
                     sparse=cfg.sparse,
+                    log_decay=log_decay,
                 )
                 outs.append(o)
             out = outs[0] if q_len == 1 else torch.cat(outs, dim=2)
@@ -328,6 +351,8 @@ class HybridLlamaAttention(LlamaAttention):
     def extra_repr(self) -> str:
         c = self.hybrid
         text = f"window={c.window}, formulation={c.formulation}, feature_map={c.feature_map}, backend={c.backend}"
+        if c.decay is not None:
+            text += f", decay={c.decay}"
         if c.sparse.active:
             text += f", sparse_cache={c.sparse_cache}, sinks={c.sinks}, cache_score={c.cache_score}"
         if self.exact is not None:

@@ -45,6 +45,7 @@ def convert_to_hybrid(
     sinks: int = 0,
     cache_score: str = "sre",
     softmax_heads: list[list[int]] | None = None,
+    decay: float | None = None,
 ) -> nn.Module:
     """Replace the attention of ``layers`` by hybrid attention, in place; returns ``model``.
 
@@ -53,7 +54,7 @@ def convert_to_hybrid(
     """
     cfg = HybridConfig(layers=list(layers), window=window, formulation=formulation, feature_map=feature_map,
                        backend=backend, sparse_cache=sparse_cache, sinks=sinks, cache_score=cache_score,
-                       softmax_heads=list(softmax_heads or []))
+                       softmax_heads=list(softmax_heads or []), decay=decay)
     swap_in_hybrid_attention(model, cfg, check_config=True)
     model.config.hybrid = cfg.to_dict()
     return model

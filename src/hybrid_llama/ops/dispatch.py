@@ -86,6 +86,7 @@ def hybrid_attention(
     key_padding_mask: Tensor | None = None,
     output_final_state: bool = False,
     sparse: SparseCacheConfig | None = None,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H).
 
@@ -96,11 +97,17 @@ def hybrid_attention(
     Returns ``(o, final_state)``: o ``[B, H, T, D]`` in q's dtype, and with ``output_final_state``
     the ``HybridState`` after the T tokens (what ``hybrid_attention_step`` continues from), else
     None. The triton kernels and the chunked backend read the KV heads in place; reference repeats
-    them itself, seed_naive gets them repeated here."""
+    them itself, seed_naive gets them repeated here.
+
+    ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
+    position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
+    chunked) compute it; the native and triton kernels do not yet, so ``auto`` takes chunked for it
+    (and says so on CUDA), and ``triton``, ``seed_naive`` and the sparse cache refuse it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
     cache = (sparse or NO_CACHE).require_formulation(formulation)
+    _check_decay(log_decay, cache, backend)
     if backend in SOFTMAX_PROMPT_BACKENDS and is_softmax_prompt(q.shape[2], window, cache, key_padding_mask,
                                                                  output_final_state):
         check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
@@ -109,6 +116,14 @@ def hybrid_attention(
                              output_final_state=output_final_state)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
+    if log_decay is not None:
+        if backend == "reference":
+            return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
+        if backend == "auto" and q.is_cuda:
+            _fall_back("", "the triton kernels have no decaying linear state")
+        from .hybrid.chunked import hybrid_attention_chunked
+
+        return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
     if backend == "reference":
         return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
     if backend == "seed_naive":
@@ -140,6 +155,16 @@ def hybrid_attention(
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
     # per-head callable feature map).
     return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+
+
+def _check_decay(log_decay: Tensor | None, cache: SparseCacheConfig, backend: str) -> None:
+    """Refuse a decaying linear state where no path computes it (see ``hybrid_attention``)."""
+    if log_decay is None:
+        return
+    if cache.active:
+        raise ValueError("a decaying linear state (log_decay) has no sparse-cache path yet")
+    if backend in ("triton", "seed_naive"):
+        raise ValueError(f"backend={backend!r} has no decaying linear state (log_decay); use 'auto' or 'chunked'")
 
 
 # Backends whose prompts inside the window are torch's causal SDPA (``causal_softmax``).
@@ -180,7 +205,8 @@ class DeferredState(NamedTuple):
 
 def layer_prompt(q: Tensor, k: Tensor, v: Tensor, window_logit: Tensor, linear_logit: Tensor, *, window: int,
                  backend: str, formulation: str, feature_map: FeatureMap, key_padding_mask: Tensor | None,
-                 keep_state: bool, sparse: SparseCacheConfig) -> tuple[Tensor, HybridState | DeferredState | None]:
+                 keep_state: bool, sparse: SparseCacheConfig,
+                 log_decay: Tensor | None = None) -> tuple[Tensor, HybridState | DeferredState | None]:
     """A hybrid layer's first prompt: ``(o, state)``, the state None unless ``keep_state``. A prompt
     that is causal softmax (``is_softmax_prompt``) gives a :class:`DeferredState`: building the ring
     buffers and sums would be most of what it costs beyond SDPA, and a forward that never decodes
@@ -191,14 +217,15 @@ def layer_prompt(q: Tensor, k: Tensor, v: Tensor, window_logit: Tensor, linear_l
             o = causal_softmax(q, k, v)
         else:
             o, _ = hybrid_attention(q, k, v, window_logit, linear_logit, window=window, backend=backend,
-                                    formulation=formulation, feature_map=feature_map, sparse=sparse)
+                                    formulation=formulation, feature_map=feature_map, sparse=sparse,
+                                    log_decay=log_decay)
         if not keep_state:
             return o, None
         build = partial(softmax_prompt_state, window=window, cache=sparse, feature_map=feature_map)
         return o, DeferredState(k.detach(), v.detach(), build)
     o, state = hybrid_attention(q, k, v, window_logit, linear_logit, window=window, backend=backend,
                                 formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
-                                output_final_state=keep_state, sparse=sparse)
+                                output_final_state=keep_state, sparse=sparse, log_decay=log_decay)
     return o, None if state is None else state.detach()
 
 
@@ -270,6 +297,7 @@ def hybrid_attention_step(
     backend: str = "auto",
     sparse: SparseCacheConfig | None = None,
     inplace: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """One decode step: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` with the state's heads equal to
     H_kv (GQA; H_kv = H for expanded k/v); returns (out ``[B, H, 1, D]``, new state).
@@ -280,8 +308,18 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch step computes it).
     """
     cache = sparse or NO_CACHE
+    if log_decay is not None:
+        _check_backend(backend)
+        cache.require_formulation(formulation)
+        _check_decay(log_decay, cache, backend)
+        if backend == "auto" and q.is_cuda:
+            _fall_back("_step", "the triton kernels have no decaying linear state")
+        return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
+                                           formulation=formulation, key_valid=key_valid, inplace=inplace,
+                                           log_decay=log_decay)
     if inplace and key_valid is None and takes_native_step(backend, cache):
         # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
         # model every line here runs cold).

@@ -159,11 +159,13 @@ def prefill_state(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     linear_sums: tuple[Tensor, Tensor] | None = None,
+    log_decay: Tensor | None = None,
 ) -> HybridState:
     """State after consuming ``k, v`` (``[B, H, T, D]``): equal to T calls of ``hybrid_attention_step``.
 
     ``linear_sums``: ``(S, z)`` over the keys that left the window, when the caller (a prefill op
-    returning its final state) already has them; otherwise they are computed here."""
+    returning its final state) already has them; otherwise they are computed here, each key j of the
+    n that left weighted by gamma^(n - 1 - j) under ``log_decay`` ``[H]`` (log gamma per head)."""
     if k.dim() != 4 or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v must be [B, H, T, D]; got {tuple(k.shape)}, {tuple(v.shape)}")
     B, H, T, D = k.shape
@@ -177,7 +179,7 @@ def prefill_state(
         state.S, state.z = (t.contiguous() for t in linear_sums)
     elif n_lin > 0:
         state.S, state.z = linear_sums_of(k[:, :, :n_lin], v[:, :, :n_lin], None if real is None else real[:, :n_lin],
-                                          feature_map)
+                                          feature_map, log_decay)
     # The last min(T, w) positions n_lin .. T-1 go to slots p % w: a run from slot n_lin % w to the
     # ring's end, then one from slot 0. Slice copies into the fresh buffers, no index tensors.
     start, n_keep = n_lin % window, T - n_lin
@@ -208,12 +210,17 @@ def window_prompt_state(
     return state
 
 
-def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap) -> tuple[Tensor, Tensor]:
+def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap,
+                   log_decay: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the
-    given keys; ``real`` ``[B, T]`` bool drops padding."""
+    given keys; ``real`` ``[B, T]`` bool drops padding; ``log_decay`` ``[H]`` weights key j of T by
+    gamma^(T - 1 - j), as the decaying state holds them after the last."""
     k_features = resolve_qk_maps(feature_map)[1](k.float())
     if real is not None:
         k_features = k_features * real[:, None, :, None]
+    if log_decay is not None:
+        age = torch.arange(k.shape[2] - 1, -1, -1, device=k.device, dtype=torch.float32)
+        k_features = k_features * torch.exp(log_decay.float()[:, None] * age)[None, :, :, None]
     return torch.matmul(k_features.transpose(-1, -2), v.float()), k_features.sum(dim=2)
 
 

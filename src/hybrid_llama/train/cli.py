@@ -18,6 +18,8 @@ def add_hybrid_arguments(ap: argparse.ArgumentParser, *, layers_help: str, layer
     ap.add_argument("--feature-map", default=d["feature_map"])
     ap.add_argument("--formulation", default=d["formulation"])
     ap.add_argument("--backend", default=d["backend"])
+    ap.add_argument("--decay", type=float, default=d["decay"],
+                    help="initial gamma of a decaying linear state, trained with the mixing logits (default: none)")
 
 
 def hybrid_from_arguments(args: argparse.Namespace) -> dict | None:
@@ -25,4 +27,5 @@ def hybrid_from_arguments(args: argparse.Namespace) -> dict | None:
     if not args.layers:
         return None
     return {"layers": [int(x) for x in args.layers.split(",")], "window": args.window,
-            "feature_map": args.feature_map, "formulation": args.formulation, "backend": args.backend}
+            "feature_map": args.feature_map, "formulation": args.formulation, "backend": args.backend,
+            **({} if args.decay is None else {"decay": args.decay})}

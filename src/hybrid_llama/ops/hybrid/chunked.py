@@ -31,6 +31,13 @@ keeps this layout (the key map works at the KV heads); a single callable map oth
 per head (``HedgehogFeatureMap`` is), so with one k/v are repeated to H heads first.
 
 ``formulation="window"`` (the window-only control) skips the linear part altogether.
+
+A decaying linear state (``log_decay``, log gamma per KV head) weights shifted key s for query t by
+gamma^(t - s): each chunk's increment takes its keys at gamma^(C - 1 - s) (their weight at the
+chunk's end), the prefix sum's lower-triangular matrix becomes gamma^(C (c - 1 - c')), the carry
+enters chunk c at gamma^(C c), a query at chunk offset i reads its chunk's entering state at
+gamma^(i + 1), and the intra-chunk product takes gamma^(i - s). Every exponent is a non-negative
+multiple of log gamma <= 0, so nothing overflows.
 """
 
 from __future__ import annotations
@@ -96,6 +103,34 @@ def _emit(out: Tensor, outs: list[Tensor], result: Tensor | None, t0: int, T: in
     return result
 
 
+class _ChunkDecay:
+    """The decay factors of one chunk size C for KV heads with log gamma ``lam`` ``[Hk]`` (fp32)."""
+
+    def __init__(self, lam: Tensor, C: int) -> None:
+        self.lam, self.C = lam, C
+        i = torch.arange(C, device=lam.device, dtype=torch.float32)
+        self.key_scale = torch.exp(lam[:, None] * (C - 1 - i))  # [Hk, C]: a key's weight at its chunk's end
+        self.query_scale = torch.exp(lam[:, None] * (i + 1))  # [Hk, C]: the entering state's weight at offset i
+        diff = i[:, None] - i[None, :]
+        self.intra = torch.exp(lam[:, None, None] * diff.clamp(min=0)) * (diff >= 0)  # [Hk, C, C]
+
+    def prefix(self, nc: int) -> Tensor:
+        """``[Hk, nc, nc]``: chunk c' < c's increment at the end of chunk c - 1, gamma^(C (c - 1 - c'))."""
+        c = torch.arange(nc, device=self.lam.device, dtype=torch.float32)
+        diff = c[:, None] - 1 - c[None, :]
+        return torch.exp(self.lam[:, None, None] * self.C * diff.clamp(min=0)) * (diff >= 0)
+
+    def powers(self, n: Tensor | int) -> Tensor:
+        """gamma^n per head, ``[Hk, *n.shape]``."""
+        n = torch.as_tensor(n, device=self.lam.device, dtype=torch.float32)
+        return torch.exp(self.lam.view(-1, *([1] * n.dim())) * n)
+
+
+def _aged(sums: Tensor, decay: _ChunkDecay | None, n: int) -> Tensor:
+    """Linear sums ``[B, Hk, F, D+1]`` n positions later: decayed by gamma^n, or as they are."""
+    return sums if decay is None else sums * decay.powers(n)[None, :, None, None]
+
+
 def default_chunk(window: int) -> int:
     """Linear-attention chunk: a multiple of the window near 64 (slabs must hold whole blocks of both)."""
     return window * max(1, round(64 / window))
@@ -115,13 +150,17 @@ def hybrid_attention_chunked(
     chunk_size: int | None = None,
     slab_size: int | None = None,
     output_final_state: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """Returns ``(o, final_state)``; the decode state after the T tokens when ``output_final_state``,
-    its linear sums taken from the same pass (no second pass over the keys), else None."""
-    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    its linear sums taken from the same pass (no second pass over the keys), else None.
+    ``log_decay`` ``[H_kv]``: a decaying linear state (``reference_parts``)."""
+    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask, log_decay)
     g = q.shape[1] // k.shape[1]  # query heads per KV head (GQA), 1 when k/v have H heads
     if g > 1 and keys_need_query_heads(feature_map):
         k, v = expand_kv(q, k, v)
+        if log_decay is not None:
+            log_decay = log_decay.repeat_interleave(g)
         g = 1
     out_dtype = q.dtype
     k_in, v_in = k, v  # the decode state's window buffers keep the keys' own dtype
@@ -153,6 +192,7 @@ def hybrid_attention_chunked(
     a7, b7 = a.view(1, Hk, 1, 1, g, 1, 1), b.view(1, Hk, 1, 1, g, 1, 1)  # per query head, 7-D layout below
     band_bias_g = band_bias.repeat(g, 1)  # [g w, 2w]: the g query heads' rows of a block share the band
     m = C // w  # window blocks per linear chunk
+    decay = None if log_decay is None or formulation == "window" else _ChunkDecay(log_decay.float(), C)
     carry = None  # [S | z] over every key before the slab, [B, Hk, F, D+1]
     sums = None  # [S | z] over the keys 0 .. T-1-w, for the final state
     outs, result, lower = [], None, None
@@ -221,24 +261,46 @@ def hybrid_attention_chunked(
         qc = _grouped(phi_q, Hk, g, nc, C)  # [B Hk nc, g C, F]
         kc = phi_k.reshape(B * Hk * nc, C, Fd)
         vc = v1.reshape(B * Hk * nc, C, D + 1)
-        kv = torch.bmm(kc.transpose(1, 2), vc).view(B, Hk, nc, Fd, D + 1)  # each chunk's increment
+        kc_end = kc if decay is None else (
+            phi_k.view(B, Hk, nc, C, Fd) * decay.key_scale[None, :, None, :, None]).view(B * Hk * nc, C, Fd)
+        kv = torch.bmm(kc_end.transpose(1, 2), vc).view(B, Hk, nc, Fd, D + 1)  # each chunk's increment
         # State entering each chunk = carry + sum of the earlier chunks' increments: an exclusive
         # prefix sum, done as one small matmul with a strictly lower-triangular matrix (faster than
         # a strided cumsum on CPU).
-        if lower is None or lower.shape[0] != nc:
+        if decay is not None:
+            lower = decay.prefix(nc)  # [Hk, nc, nc], broadcast over the batch
+        elif lower is None or lower.shape[0] != nc:
             lower = torch.ones(nc, nc, dtype=q.dtype, device=q.device).tril_(-1)
         state_in = torch.matmul(lower, kv.reshape(B, Hk, nc, -1)).view(B, Hk, nc, Fd, D + 1)
+        # The carry and the slab's increments as they stand after the slab's last (or, for the final
+        # state, its last real) shifted key; with a decay each is weighted by its age there.
+        if decay is None:
+            slab_total = kv.sum(dim=2)
+        else:
+            slab_total = (kv * decay.powers(C * torch.arange(nc - 1, -1, -1))[None, :, :, None, None]).sum(dim=2)
         if output_final_state and t1 == T:
             # The padded tail rows L.. of the last slab are keys still in the window (or beyond T).
-            tail = kv.sum(dim=2) if Lp == L else phi_k[:, :, :L].transpose(-1, -2) @ v1[:, :, :L]
-            sums = tail if carry is None else carry + tail
+            if Lp == L:
+                tail = slab_total
+            else:
+                tail_k = phi_k[:, :, :L]
+                if decay is not None:
+                    tail_k = tail_k * decay.powers(torch.arange(L - 1, -1, -1))[None, :, :, None]
+                tail = tail_k.transpose(-1, -2) @ v1[:, :, :L]
+            sums = tail if carry is None else _aged(carry, decay, L) + tail
         if carry is not None:
-            state_in = state_in + carry[:, :, None]
-            carry = carry + kv.sum(dim=2)
+            entering = carry[:, :, None] if decay is None else (
+                carry[:, :, None] * decay.powers(C * torch.arange(nc))[None, :, :, None, None])
+            state_in = state_in + entering
+            carry = _aged(carry, decay, Lp) + slab_total
         else:
-            carry = kv.sum(dim=2)
+            carry = slab_total
         intra = torch.bmm(qc, kc.transpose(1, 2))  # [B Hk nc, g C, C]
-        intra.view(-1, g, C, C).tril_()  # causal within the chunk, diagonal included
+        if decay is None:
+            intra.view(-1, g, C, C).tril_()  # causal within the chunk, diagonal included
+        else:  # causal with gamma^(i - s); a [Hk, C, C] factor broadcast over batch, chunks and group
+            intra = (intra.view(B, Hk, nc, g, C, C) * decay.intra[None, :, None, None]).view(B * Hk * nc, g * C, C)
+            qc = (qc.view(B, Hk, nc, g, C, Fd) * decay.query_scale[None, :, None, None, :, None]).view(qc.shape)
         lin = torch.baddbmm(torch.bmm(qc, state_in.view(B * Hk * nc, Fd, D + 1)), intra, vc)
         lin = _chunks_7d(lin, Hk, g, nc, m)  # [B, Hk, nc, m, g, w, D+1], aligned with win_avg
 
@@ -258,6 +320,6 @@ def hybrid_attention_chunked(
         linear_sums = None if sums is None else (sums[..., :D], sums[..., D])
         final_state = prefill_state(
             k_in, v_in, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
-            linear_sums=linear_sums,
+            linear_sums=linear_sums, log_decay=log_decay,
         )
     return result.to(out_dtype), final_state

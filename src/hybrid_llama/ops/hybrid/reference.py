@@ -33,6 +33,7 @@ def check_inputs(
     window: int,
     formulation: str,
     key_padding_mask: Tensor | None,
+    log_decay: Tensor | None = None,
 ) -> None:
     if (q.dim() != 4 or k.dim() != 4 or (k.shape[0], *k.shape[2:]) != (q.shape[0], *q.shape[2:])
             or q.shape[1] % k.shape[1] or v.shape[:3] != k.shape[:3]):
@@ -46,6 +47,8 @@ def check_inputs(
             raise ValueError(f"{name} must be [H]=[{heads}], got {tuple(logit.shape)}")
     if int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if log_decay is not None and log_decay.shape != (k.shape[1],):
+        raise ValueError(f"log_decay must be [H_kv]=[{k.shape[1]}] (one per KV head), got {tuple(log_decay.shape)}")
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     if key_padding_mask is not None:
@@ -113,10 +116,12 @@ def reference_parts(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     query_positions: Tensor | None = None,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor | None, Tensor]:
     """(win_avg, win_sum, lin_num, lin_den) of ``combine`` for the queries at ``query_positions``
     (default: all T), in fp32, from full masks over all T keys. Without ``v`` only the normalizer
-    terms (win_sum, lin_den) are computed; win_avg and lin_num are None."""
+    terms (win_sum, lin_den) are computed; win_avg and lin_num are None. ``log_decay`` ``[H_kv]``
+    (log gamma <= 0 per KV head): key j enters query t's linear part with weight gamma^(t - w - j)."""
     phi_q, phi_k = resolve_qk_maps(feature_map)
     groups = q.shape[1] // k.shape[1]  # GQA: query head h reads KV head h // groups
     T, D = q.shape[2], q.shape[3]
@@ -145,6 +150,9 @@ def reference_parts(
 
     # Linear part: phi(q_t) . phi(k_j) over keys that left the window.
     lin_scores = torch.matmul(phi_q(q), k_features.transpose(-1, -2)) * lin_mask
+    if log_decay is not None:
+        age = (t - window - j).clamp(min=0).float()  # steps since the key left the window
+        lin_scores = lin_scores * torch.exp(log_decay.float().repeat_interleave(groups)[:, None, None] * age)
     lin_den = lin_scores.sum(dim=-1, keepdim=True)
     if v is None:
         return None, win_sum, None, lin_den
@@ -165,18 +173,21 @@ def hybrid_attention_reference(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     output_final_state: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """Returns ``(o, final_state)``: the decode state after the T tokens when ``output_final_state``
-    (by its definition, ``prefill_state``), else None."""
-    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
-    parts = reference_parts(q, k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
+    (by its definition, ``prefill_state``), else None. ``log_decay``: see ``reference_parts``."""
+    check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask, log_decay)
+    parts = reference_parts(q, k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
+                            log_decay=log_decay)
     a, b = mixing_weights(window_logit, linear_logit)
     o = combine(formulation, a, b, *parts).to(q.dtype)
     if not output_final_state:
         return o, None
     from ..state import prefill_state  # (lazy: ops' modules import this one first)
 
-    return o, prefill_state(k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask)
+    return o, prefill_state(k, v, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
+                            log_decay=log_decay)
 
 
 def window_share(
@@ -190,6 +201,7 @@ def window_share(
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
     query_positions: Tensor | None = None,
+    log_decay: Tensor | None = None,
 ) -> Tensor:
     """Share of each query's output normalizer held by the softmax window, ``[B, H, Q]`` (fp32).
 
@@ -199,10 +211,10 @@ def window_share(
     (share near 0) or bypasses the linear part (share near 1). Queries that see no key give NaN.
     An O(Q * T) computation: pass the few ``query_positions`` of interest for long sequences.
     """
-    check_inputs(q, k, k, window_logit, linear_logit, window, formulation, key_padding_mask)
+    check_inputs(q, k, k, window_logit, linear_logit, window, formulation, key_padding_mask, log_decay)
     _, win_sum, _, lin_den = reference_parts(
         q, k, None, window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
-        query_positions=query_positions,
+        query_positions=query_positions, log_decay=log_decay,
     )
     a, b = mixing_weights(window_logit, linear_logit)
     w_win, w_lin = normalizer_weights(formulation, a, b, win_sum)

@@ -3,7 +3,8 @@
 The state holds a ring buffer of the last ``w`` keys/values plus the running linear-attention sums
 ``S = sum phi(k) v^T`` and ``z = sum phi(k)`` over the keys that have left the window. The key at
 position ``t`` lives in slot ``t % w``; writing it evicts position ``t - w``, which is folded into
-``S`` and ``z``. Per-token cost and memory are independent of the context length.
+``S`` and ``z`` (with a decaying state, ``log_decay``, after they are scaled by gamma: ``S <- gamma S
++ phi(k) v^T``). Per-token cost and memory are independent of the context length.
 
 The state itself (and how a prefill builds it) lives in ``state``. Steps are functional: they return
 a new ``HybridState`` and never modify the old one, so they are safe under autograd and for cache
@@ -48,6 +49,7 @@ def hybrid_attention_step_torch(
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
     inplace: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """One token: q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]`` and a state of H_kv heads (GQA: query
     head h reads KV head h // (H / H_kv); H_kv = H for expanded k/v). ``key_valid`` ``[B]`` (or
@@ -57,8 +59,11 @@ def hybrid_attention_step_torch(
 
     ``inplace``: the caller gives the state up (a generation cache does), so the step may update
     its buffers in place; without autograd and padding it then takes a leaner path with the same
-    result (no buffer copies, fused updates, the mix without the empty-window guards)."""
+    result (no buffer copies, fused updates, the mix without the empty-window guards).
+    ``log_decay`` ``[H_kv]``: log gamma of a decaying linear state, as the prefill ops take it."""
     check_step_shapes(q, k, v, state)
+    if log_decay is not None and log_decay.shape != (k.shape[1],):
+        raise ValueError(f"log_decay must be [H_kv]=[{k.shape[1]}], got {tuple(log_decay.shape)}")
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}")
     B, H, _, D = q.shape
@@ -71,7 +76,8 @@ def hybrid_attention_step_torch(
     w = state.window
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     if inplace and key_valid is None and not torch.is_grad_enabled() and state.S.is_contiguous():
-        return _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map)
+        return _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map,
+                              log_decay)
     valid_new = (
         torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).to(torch.bool)
     )
@@ -83,6 +89,9 @@ def hybrid_attention_step_torch(
         old_k = state.k_window[:, :, slot : slot + 1].float()  # [B, H, 1, D]
         old_v = state.v_window[:, :, slot : slot + 1].float()
         phi_old = phi_k_map(old_k) * state.window_valid[:, None, slot : slot + 1, None]  # [B, H_kv, 1, F]
+        if log_decay is not None:
+            gamma = torch.exp(log_decay.float())
+            S, z = S * gamma[None, :, None, None], z * gamma[None, :, None]
         S = S + torch.matmul(phi_old.transpose(-1, -2), old_v)
         z = z + phi_old[:, :, 0]
     # Out-of-place writes keep old states intact (and autograd happy); the buffers are only w long.
@@ -112,7 +121,7 @@ def hybrid_attention_step_torch(
     return out.to(q.dtype), new_state
 
 
-def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
+def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, log_decay=None):
     """The step for a cache that owns its state, without autograd, the new key real: the window then
     always holds a real key (the new one), so the empty-window guards of ``combine`` are not needed,
     and a full window of real keys needs no mask at all. Every op here is on a few KB, so the step's
@@ -130,6 +139,10 @@ def _step_in_place(q, k, v, state, window_logit, linear_logit, formulation, phi_
             phi_old = phi_old * state.window_valid[:, None, slot : slot + 1, None]
         fdim = phi_old.shape[-1]
         phi_old = phi_old.view(BH, fdim, 1)
+        if log_decay is not None:
+            gamma = torch.exp(log_decay.detach().float())
+            S.mul_(gamma.view(1, Hk, 1, 1))
+            z.mul_(gamma.view(1, Hk, 1))
         S.view(BH, fdim, D).baddbmm_(phi_old, state.v_window[:, :, slot].float().view(BH, 1, D))
         z.view(BH, fdim, 1).add_(phi_old)
     state.k_window[:, :, slot] = k[:, :, 0]
