@@ -16,6 +16,10 @@ from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, hybrid_attenti
 from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 from hybrid_llama.ops.hybrid.reference import hybrid_attention_reference
 from hybrid_llama.ops.hybrid.step import hybrid_attention_step_torch
+from hybrid_llama.ops.sparse.batched import hybrid_attention_sparse_batched
+from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
+from hybrid_llama.ops.sparse.reference import hybrid_attention_sparse_reference
+from hybrid_llama.ops.sparse.step import hybrid_attention_step_sparse, init_sparse_state
 
 B, H, HK, D, W = 2, 4, 2, 8, 6
 LOG_DECAY = torch.tensor([-0.03, -0.3])  # gamma 0.970 and 0.741: a long and a short memory
@@ -152,11 +156,101 @@ def test_the_decay_learns_through_the_chunked_form():
         assert abs(float(grads["reference"][h]) - fd) < 1e-3 * max(1.0, abs(fd)), (h, grads["reference"][h], fd)
 
 
+def naive_blocks_fold(q, k, v, wl, ll, phi_q, phi_k, log_decay):
+    """The sparse cache with no cache slots and no sinks, from its definition: the keys of block J
+    (positions J w .. J w + w - 1) stay exact until the block closes at (J + 2) w - 1, then every one
+    of them is linear at gamma^(t - w - p). Written query by query, independent of the ops."""
+    T, g = q.shape[2], H // HK
+    fq, fk = phi_q(q), phi_k(k)
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            kh = h // g
+            a, bb = torch.sigmoid(wl[h]), torch.sigmoid(ll[h])
+            for t in range(T):
+                linear = [p for p in range(t + 1) if (p // W + 2) * W - 1 <= t]
+                exact = [p for p in range(t + 1) if p not in linear]
+                s = torch.stack([q[b, h, t] @ k[b, kh, p] / math.sqrt(D) for p in exact])
+                e = torch.exp(s - s.max())
+                num = a * sum(e[i] * v[b, kh, p] for i, p in enumerate(exact))
+                den = a * e.sum()
+                for p in linear:
+                    kern = bb * (fq[b, h, t] @ fk[b, kh, p]) * math.exp(float(log_decay[kh]) * (t - W - p))
+                    num, den = num + kern * v[b, kh, p], den + kern
+                out[b, h, t] = num / den
+    return out
+
+
+def test_the_sparse_cache_keeps_the_definition():
+    """With no slots every closed block folds whole: each path equals the definition."""
+    q, k, v, wl, ll = inputs(40, seed=4)
+    maps = trained_maps(H, HK, D)
+    cache = SparseCacheConfig(0, 0, "random")
+    with torch.no_grad():
+        want = naive_blocks_fold(q, k, v, wl, ll, *maps, LOG_DECAY)
+        kw = dict(window=W, cache=cache, feature_map=maps, log_decay=LOG_DECAY)
+        for name, o in (("reference", hybrid_attention_sparse_reference(q, k, v, wl, ll, **kw)[0]),
+                        ("loop", hybrid_attention_sparse(q, k, v, wl, ll, **kw)[0]),
+                        ("batched", hybrid_attention_sparse_batched(q, k, v, wl, ll, **kw)[0])):
+            torch.testing.assert_close(o, want, atol=2e-5, rtol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("score", ["sre", "random", "attention"])
+def test_sparse_paths_and_decode_agree(score):
+    """A cache that keeps and evicts: the loop (with padding too), the batched path, the decode step
+    from empty and after a prefill all give the token-by-token reference's outputs, and their final
+    states agree."""
+    q, k, v, wl, ll = inputs(70, seed=5)
+    maps = trained_maps(H, HK, D)
+    cache = SparseCacheConfig(5, 2, score)
+    kw = dict(window=W, cache=cache, feature_map=maps, log_decay=LOG_DECAY)
+    real = torch.ones(B, 70, dtype=torch.bool)
+    real[1, :9] = False
+    with torch.no_grad():
+        ref = hybrid_attention_sparse_reference(q, k, v, wl, ll, **kw)[0]
+        assert (ref - hybrid_attention_sparse_reference(q, k, v, wl, ll, window=W, cache=cache,
+                                                        feature_map=maps)[0]).abs().max() > 1e-2
+        loop, final = hybrid_attention_sparse(q, k, v, wl, ll, output_final_state=True, **kw)
+        torch.testing.assert_close(loop, ref, atol=2e-5, rtol=2e-5)
+        padded = hybrid_attention_sparse_reference(q, k, v, wl, ll, key_padding_mask=real, **kw)[0]
+        torch.testing.assert_close(hybrid_attention_sparse(q, k, v, wl, ll, key_padding_mask=real, **kw)[0][:, :, 9:],
+                                   padded[:, :, 9:], atol=2e-5, rtol=2e-5)
+        if score != "attention":
+            batched, final_b = hybrid_attention_sparse_batched(q, k, v, wl, ll, output_final_state=True, **kw)
+            torch.testing.assert_close(batched, ref, atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(final_b.S, final.S, atol=1e-5, rtol=1e-5)
+        for split in (0, 47):
+            if split:
+                o, state = hybrid_attention_sparse(q[:, :, :split], k[:, :, :split], v[:, :, :split], wl, ll,
+                                                   output_final_state=True, **kw)
+                outs = [o]
+            else:
+                state, outs = init_sparse_state(B, HK, D, W, cache, feature_dim=maps[1].out_features), []
+            for t in range(split, 70):
+                o, state = hybrid_attention_step_sparse(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1],
+                                                        state, wl, ll, cache=cache, feature_map=maps,
+                                                        log_decay=LOG_DECAY)
+                outs.append(o)
+            torch.testing.assert_close(torch.cat(outs, 2), ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state.S, hybrid_attention_sparse(q, k, v, wl, ll, output_final_state=True,
+                                                                    **kw)[1].S, atol=1e-5, rtol=1e-5)
+
+
+def test_the_decay_learns_through_the_sparse_cache():
+    q, k, v, wl, ll = inputs(60, seed=6)
+    maps = trained_maps(H, HK, D)
+    grads = []
+    for fn in (hybrid_attention_sparse, hybrid_attention_sparse_batched):
+        lam = LOG_DECAY.clone().requires_grad_()
+        o, _ = fn(q, k, v, wl, ll, window=W, cache=SparseCacheConfig(5, 2), feature_map=maps, log_decay=lam)
+        (o * torch.linspace(-1, 1, D)).sum().backward()
+        grads.append(lam.grad)
+    assert grads[0].abs().min() > 1e-3
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+
+
 def test_paths_without_a_decay_refuse_it():
     q, k, v, wl, ll = inputs(20)
-    with pytest.raises(ValueError, match="sparse-cache path"):
-        hybrid_attention(q, k, v, wl, ll, window=W, formulation="lolcats", log_decay=LOG_DECAY,
-                         sparse=SparseCacheConfig(8, 2))
     for backend in ("triton", "seed_naive"):
         with pytest.raises(ValueError, match="no decaying linear state"):
             hybrid_attention(q, k, v, wl, ll, window=W, backend=backend, log_decay=LOG_DECAY)
@@ -166,15 +260,14 @@ def test_paths_without_a_decay_refuse_it():
                               log_decay=LOG_DECAY)
     with pytest.raises(ValueError, match=r"log_decay must be \[H_kv\]"):
         hybrid_attention_reference(q, k, v, wl, ll, window=W, log_decay=torch.zeros(H))
-    with pytest.raises(ValueError, match="sparse-cache path"):
-        HybridConfig(layers=[0], formulation="lolcats", sparse_cache=8, decay=0.99)
     with pytest.raises(ValueError, match=r"decay must be in \(0, 1\)"):
         HybridConfig(layers=[0], decay=1.0)
 
 
-def test_a_decaying_model_generates_saves_and_trains(lively_dir, tmp_path):
+@pytest.mark.parametrize("sparse", [{}, {"sparse_cache": 4, "sinks": 2}])
+def test_a_decaying_model_generates_saves_and_trains(lively_dir, tmp_path, sparse):
     model, tok = load_model(lively_dir, dtype=torch.float32)
-    convert_to_hybrid(model, [0, 2], window=4, formulation="lolcats", feature_map="hedgehog", decay=0.9)
+    convert_to_hybrid(model, [0, 2], window=4, formulation="lolcats", feature_map="hedgehog", decay=0.9, **sparse)
     randomize_hybrid_params(model)
     layer = model.model.layers[0].self_attn
     assert layer.mixing.decay_logit.shape == (model.config.num_key_value_heads,)

@@ -201,11 +201,6 @@ def test_variant_overrides_merge_into_the_sections():
         ),
         (lambda c: c["base_lora"].update(objective="distill"), "base_lora.objective", "instruct"),
         (
-            lambda c: c["variants"][0]["hybrid"].update(formulation="lolcats", decay=0.99, sparse_cache=8),
-            "variants[v].hybrid.decay",
-            "no sparse-cache path",
-        ),
-        (
             lambda c: c["variants"][0]["hybrid"].update(formulation="window", decay=0.99),
             "variants[v].hybrid.decay",
             "no linear state to decay",

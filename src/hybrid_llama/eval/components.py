@@ -60,7 +60,7 @@ def window_shares(
             if cfg.sparse.active:  # three parts: window, sinks + cache + pending, linear state
                 _, _, shares = hybrid_attention_sparse(
                     q, k, v, wl, ll, window=cfg.window, feature_map=layer.op_feature_map(), return_shares=True,
-                    cache=cfg.sparse,
+                    cache=cfg.sparse, log_decay=layer.op_log_decay(),
                 )
                 window, cache = shares[:, :, queries, 0], shares[:, :, queries, 1]
             else:

@@ -87,8 +87,6 @@ class HybridConfig:
             self.decay = float(self.decay)
             if not 0.0 < self.decay < 1.0:
                 raise ValueError(f"HybridConfig.decay must be in (0, 1) or None, got {self.decay}")
-            if self.sparse.active:
-                raise ValueError("HybridConfig.decay: a decaying linear state has no sparse-cache path yet")
 
     def to_dict(self) -> dict[str, Any]:
         """The config as config.json stores it; the sparse-cache keys only when the cache is on, so

@@ -101,8 +101,9 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked) compute it; the native and triton kernels do not yet, so ``auto`` takes chunked for it
-    (and says so on CUDA), and ``triton``, ``seed_naive`` and the sparse cache refuse it."""
+    chunked, and the sparse cache's reference, loop and batched paths) compute it; the native and
+    triton kernels do not yet, so ``auto`` takes the torch paths for it (and says so on CUDA), and
+    ``triton`` and ``seed_naive`` refuse it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -115,7 +116,7 @@ def hybrid_attention(
         return _softmax_only(q, k, v, window=window, feature_map=feature_map, cache=cache,
                              output_final_state=output_final_state)
     if cache.active:
-        return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
+        return _sparse(q, k, v, window_logit, linear_logit, cache, backend, log_decay=log_decay, **kwargs)
     if log_decay is not None:
         if backend == "reference":
             return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
@@ -161,8 +162,6 @@ def _check_decay(log_decay: Tensor | None, cache: SparseCacheConfig, backend: st
     """Refuse a decaying linear state where no path computes it (see ``hybrid_attention``)."""
     if log_decay is None:
         return
-    if cache.active:
-        raise ValueError("a decaying linear state (log_decay) has no sparse-cache path yet")
     if backend in ("triton", "seed_naive"):
         raise ValueError(f"backend={backend!r} has no decaying linear state (log_decay); use 'auto' or 'chunked'")
 
@@ -238,17 +237,21 @@ def _softmax_only(q: Tensor, k: Tensor, v: Tensor, *, window: int, feature_map: 
     return o, softmax_prompt_state(k, v, window=window, cache=cache, feature_map=feature_map)
 
 
-def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, **kwargs):
-    check_inputs(q, k, v, window_logit, linear_logit, kwargs["window"], "lolcats", kwargs["key_padding_mask"])
+def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, *,
+            log_decay: Tensor | None = None, **kwargs):
+    check_inputs(q, k, v, window_logit, linear_logit, kwargs["window"], "lolcats", kwargs["key_padding_mask"],
+                 log_decay)
     kwargs.pop("formulation")
     if backend == "reference":
         if kwargs.pop("output_final_state"):
             raise ValueError("the sparse-cache reference gives no decode state; use backend='chunked'")
-        o, _, _ = hybrid_attention_sparse_reference(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
+        o, _, _ = hybrid_attention_sparse_reference(q, k, v, window_logit, linear_logit, cache=cache,
+                                                    log_decay=log_decay, **kwargs)
         return o, None
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         _fall_back("", "the triton kernels have no sparse cache")
-    if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
+    # (the native kernels have no decay: a decaying state takes the torch paths)
+    if (backend in ("auto", "chunked") and not kwargs.get("return_shares") and log_decay is None
             and native_sparse_prefill.covers(q, cache, kwargs["key_padding_mask"])):
         done = native_sparse_prefill.hybrid_attention_sparse_cpu(
             q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
@@ -258,8 +261,8 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
     if sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
         return sparse_batched.hybrid_attention_sparse_batched(
             q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
-            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"])
-    return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, **kwargs)
+            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
+    return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, log_decay=log_decay, **kwargs)
 
 
 def takes_native_step(backend: str, sparse: SparseCacheConfig) -> bool:
@@ -317,6 +320,9 @@ def hybrid_attention_step(
         _check_decay(log_decay, cache, backend)
         if backend == "auto" and q.is_cuda:
             _fall_back("_step", "the triton kernels have no decaying linear state")
+        if cache.active or state.sparse is not None:
+            return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache,
+                                                feature_map=feature_map, key_valid=key_valid, log_decay=log_decay)
         return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
                                            formulation=formulation, key_valid=key_valid, inplace=inplace,
                                            log_decay=log_decay)

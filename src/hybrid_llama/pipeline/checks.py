@@ -94,12 +94,8 @@ def _check_sparse_cache(p: Pipeline, v: str) -> None:
             f"the sparse cache joins the shared normalizer of formulation 'lolcats'; variant '{v}' uses "
             f"'{h['formulation']}'",
         )
-    if h.get("decay") is not None:
-        if h.get("sparse_cache") or h.get("sinks"):
-            raise ConfigError(f"variants[{v}].hybrid.decay",
-                              "a decaying linear state has no sparse-cache path yet; drop decay or the cache")
-        if h["formulation"] == "window":
-            raise ConfigError(f"variants[{v}].hybrid.decay", "a window-only variant has no linear state to decay")
+    if h.get("decay") is not None and h["formulation"] == "window":
+        raise ConfigError(f"variants[{v}].hybrid.decay", "a window-only variant has no linear state to decay")
 
 
 def _check_softmax_heads(p: Pipeline, v: str) -> None:

@@ -19,6 +19,11 @@ is what made the cache-active distillation slower than the plain one (docs/perfo
 semantics, same evictions (the same ``close_block`` calls on the same values). Covered: no padding
 mask, the ``sre`` and ``random`` scores; the ``attention`` score needs every query's weights before
 each close, so it keeps the loop, as padding and the normalizer's shares do.
+
+A decaying linear state (``log_decay``): the closes are w apart, so the state group J reads, as of
+its first position (close J - 1's), is a prefix sum with gamma^(w (J - 1 - J')) on close J''s
+increment, whose keys enter at gamma^(their age at the close); a query reads it at gamma^(its
+offset in the group).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from ..gqa import expand_kv
 from ..hybrid.reference import mixing_weights
 from ..state import HybridState, init_state
-from .eviction import close_block, folded_candidates, gather_slots
+from .eviction import close_block, fold_weights, folded_candidates, gather_slots
 from .state import sparse_final_state
 
 GROUPS_PER_SLAB = 32  # groups attended per batched product: bounds the scores' memory at long prompts
@@ -70,10 +75,16 @@ def first_group_start(window: int, sinks: int) -> int:
     return sinks + window - 1
 
 
+def close_position(J: int, window: int, sinks: int) -> int:
+    """The position at which block J closes (its last key leaves the window; ``group_bounds``)."""
+    return sinks + (J + 2) * window - 1
+
+
 @torch.no_grad()
-def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k) -> Evictions:
+def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k,
+                   log_decay: Tensor | None = None) -> Evictions:
     """The closes of ``sparse_cache``'s block loop (same calls, same values), recorded per group.
-    k/v ``[B, Hk, T, D]`` fp32."""
+    k/v ``[B, Hk, T, D]`` fp32. With ``log_decay``, ``S, z`` are as of the last close's position."""
     B, Hk, _, D = k.shape
     w, lam, ns = window, cache.size, cache.sinks
     G = -(-(T - first_group_start(w, ns)) // w)
@@ -88,7 +99,11 @@ def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k) -> E
         cand_pos = torch.cat([idx, blk], -1)
         cand_ok = torch.cat([ok, every_head], -1)
         cand_k, cand_v = gather_slots(k, cand_pos), gather_slots(v, cand_pos)
-        keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k)
+        if log_decay is not None and J:  # as of this close, w positions after the last
+            gamma_w = torch.exp(log_decay.float() * w)
+            S, z = S * gamma_w.view(1, -1, 1, 1), z * gamma_w.view(1, -1, 1)
+        keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k,
+                                     fold_weights(log_decay, close_position(J, w, ns), w, cand_pos))
         folded = folded_candidates(cand_ok, keep)
         # At most w of the λ + w candidates fold (λ stay); in position order, padded with invalid slots.
         order = (~folded).to(torch.int8).argsort(dim=-1, stable=True)[..., :w]
@@ -135,12 +150,15 @@ def hybrid_attention_sparse_batched(
     cache,
     feature_map: FeatureMap = "elu1",
     output_final_state: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """``(o, final_state)`` of the sparse-cache op (``lolcats`` formulation, no padding, the ``sre`` or
     ``random`` score): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``; what ``hybrid_attention_sparse``
-    returns, with autograd through the attention, the folds and the feature maps."""
+    returns, with autograd through the attention, the folds, the feature maps and ``log_decay``."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
         k, v = expand_kv(q, k, v)
+        if log_decay is not None:
+            log_decay = log_decay.repeat_interleave(q.shape[1] // log_decay.shape[0])
     B, H, T, D = q.shape
     Hk, w, ns = k.shape[1], window, cache.sinks
     g = H // Hk
@@ -150,7 +168,10 @@ def hybrid_attention_sparse_batched(
     # Before the first group every earlier key is exact (no block has closed): causal softmax.
     head = F.scaled_dot_product_attention(qf[:, :, :p0], kf[:, :, :p0], vf[:, :, :p0], is_causal=True,
                                           enable_gqa=g > 1)
-    plan = plan_evictions(kf.detach(), vf.detach(), T, w, cache, phi_k_map) if T > p0 or output_final_state else None
+    plan = (plan_evictions(kf.detach(), vf.detach(), T, w, cache, phi_k_map,
+                           None if log_decay is None else log_decay.detach())
+            if T > p0 or output_final_state else None)
+    lam = None if log_decay is None else log_decay.float()
     outs = [head]
     if T > p0:
         G = plan.cache_pos.shape[2]
@@ -161,8 +182,18 @@ def hybrid_attention_sparse_batched(
             fk = phi_k_map(_gather_groups(kf, plan.fold_pos).flatten(2, 3)).unflatten(2, (G - 1, w))
             fk = fk * plan.fold_ok.unsqueeze(-1)
             fv = _gather_groups(vf, plan.fold_pos)
+            if lam is not None:  # a folded key enters at gamma^(its age at its close)
+                closes = torch.tensor([close_position(J, w, ns) for J in range(G - 1)], device=q.device)
+                age = (closes.view(1, 1, -1, 1) - w - plan.fold_pos).clamp(min=0).float()
+                fk = fk * torch.exp(lam.view(1, -1, 1, 1) * age).unsqueeze(-1)
             inc = torch.matmul(fk.transpose(-1, -2), torch.cat([fv, torch.ones_like(fv[..., :1])], -1))
-            states = F.pad(inc.cumsum(dim=2), (0, 0, 0, 0, 1, 0))  # [B, Hk, G, F, D + 1], exclusive
+            if lam is None:
+                states = F.pad(inc.cumsum(dim=2), (0, 0, 0, 0, 1, 0))  # [B, Hk, G, F, D + 1], exclusive
+            else:  # group J (J >= 1) reads close J' < J's increment at gamma^(w (J - 1 - J'))
+                Jr = torch.arange(G, device=q.device, dtype=torch.float32)
+                diff = Jr[:, None] - 1 - Jr[None, :-1]  # [G, G - 1]
+                prefix = torch.exp(lam.view(-1, 1, 1) * w * diff.clamp(min=0)) * (diff >= 0)  # [Hk, G, G - 1]
+                states = torch.matmul(prefix, inc.flatten(3)).unflatten(3, inc.shape[3:])
         else:  # no close yet: the state is empty
             states = kf.new_zeros(B, Hk, 1, plan.S.shape[-2], D + 1)
         a, b = mixing_weights(window_logit, linear_logit)
@@ -196,14 +227,23 @@ def hybrid_attention_sparse_batched(
             p = torch.softmax(scores, dim=-1)
             exact_sum = (1.0 / p.amax(dim=-1, keepdim=True)).view(B, Hk, n, g, w, 1)
             exact_avg = torch.bmm(p, vals.reshape(rows, -1, D)).view(B, Hk, n, g, w, D)
-            lin = torch.matmul(_per_group(phi_q_map(qs), Hk, g, w), states[:, :, s0:s1]).unflatten(3, (g, w))
+            phi_q = _per_group(phi_q_map(qs), Hk, g, w)  # [B, Hk, n, g w, F]
+            if lam is not None:  # the state is as of the group's first position: row i reads it at gamma^i
+                offsets = torch.arange(w, device=q.device, dtype=torch.float32).repeat(g)
+                phi_q = phi_q * torch.exp(lam.view(1, -1, 1, 1, 1) * offsets.view(1, 1, 1, -1, 1))
+            lin = torch.matmul(phi_q, states[:, :, s0:s1]).unflatten(3, (g, w))
             w_win = exact_sum * a
             out = torch.addcmul(exact_avg * w_win, lin[..., :D], b) / torch.addcmul(w_win, lin[..., D:], b)
             outs.append(_from_groups(out.flatten(3, 4), g, w))
     out = torch.cat(outs, dim=2)[:, :, :T].to(q.dtype)
     final = None
     if output_final_state:
+        S, z = plan.S, plan.z
+        n_closes = plan.fold_pos.shape[2]
+        if lam is not None and n_closes:  # as of the last position, as the decode step keeps them
+            gamma_age = torch.exp(lam.detach() * (T - 1 - close_position(n_closes - 1, w, ns)))
+            S, z = S * gamma_age.view(1, -1, 1, 1), z * gamma_age.view(1, -1, 1)
         final = init_state(B, Hk, D, w, feature_dim=plan.S.shape[-2], device=q.device, dtype=k.dtype)
         real = torch.ones(B, T, dtype=torch.bool, device=q.device)
-        final = sparse_final_state(final, k, v, real, T, w, cache, plan.S, plan.z, plan.final_pos, plan.final_ok, None)
+        final = sparse_final_state(final, k, v, real, T, w, cache, S, z, plan.final_pos, plan.final_ok, None)
     return out, final

@@ -25,6 +25,10 @@ padding, the ``attention`` score and the normalizer's shares. Without those, ``b
 computes the same op with every group in one product (training takes it), and ``native.sparse_prefill``
 natively (CPU inference). The literal per-token simulation they are tested against lives in
 ``reference``; the recurrent step in ``step``.
+
+A decaying linear state (``log_decay``) keeps every key p at gamma^(t - w - p) for query t, as
+without the cache: the loop holds S, z as of its group's first position, a query reads them at
+gamma^(its offset), a close ages them to its position and folds each loser at gamma^(its age).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ..gqa import expand_kv
 from ..hybrid.reference import combine, mixing_weights
 from ..state import init_state
 from .config import SparseCacheConfig
-from .eviction import close_block, gather_slots, group_bounds
+from .eviction import close_block, fold_weights, gather_slots, group_bounds
 from .state import sparse_final_state
 
 
@@ -56,6 +60,7 @@ def hybrid_attention_sparse(
     key_padding_mask: Tensor | None = None,
     output_final_state: bool = False,
     return_shares: bool = False,
+    log_decay: Tensor | None = None,
 ):
     """Hybrid attention with the sparse cache (``lolcats`` formulation): q ``[B, H, T, D]``, k/v
     ``[B, H_kv, T, D]``. Returns ``(o, final_state)`` (a ``HybridState`` with its ``sparse`` part, or
@@ -63,8 +68,11 @@ def hybrid_attention_sparse(
     sinks + cache + pending, linear state)."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
         k, v = expand_kv(q, k, v)
+        if log_decay is not None:
+            log_decay = log_decay.repeat_interleave(q.shape[1] // log_decay.shape[0])
     B, H, T, D = q.shape
     Hk, g, w, lam, ns = k.shape[1], H // k.shape[1], window, cache.size, cache.sinks
+    lam_h = None if log_decay is None else log_decay.float().view(1, -1, 1, 1)  # log gamma, [1, Hk, 1, 1]
     phi_q_map, phi_k_map = resolve_qk_maps(feature_map)
     real = key_padding_mask if key_padding_mask is not None else torch.ones(B, T, dtype=torch.bool, device=q.device)
     scale = 1.0 / math.sqrt(D)
@@ -114,6 +122,8 @@ def hybrid_attention_sparse(
         safe_sum = torch.where(exact_sum > 0, exact_sum, torch.ones_like(exact_sum))
         exact_avg = torch.matmul(p, vals.unsqueeze(2)) / safe_sum
         phi_q = phi_q_map(q_group).reshape(B, Hk, g, t1 - t0, -1)
+        if lam_h is not None:  # S, z are as of t0: a query reads them aged by its offset
+            phi_q = phi_q * torch.exp(lam_h.unsqueeze(-1) * (tq - t0).float().view(1, 1, 1, -1, 1))
         lin_num = torch.matmul(phi_q, S.unsqueeze(2))
         lin_den = torch.matmul(phi_q, z.unsqueeze(2).unsqueeze(-1))
         per_head = [x.reshape(B, H, t1 - t0, -1) for x in (exact_avg, exact_sum, lin_num, lin_den)]
@@ -135,14 +145,19 @@ def hybrid_attention_sparse(
             cand_pos = key_pos[..., n_fixed:]
             cand_ok = torch.cat([cache_ok, real[:, None, blk].expand(B, Hk, -1)], -1)
             cand_acc = acc.gather(-1, cand_pos) if acc is not None else None
+            if lam_h is not None:  # S, z as of t1, the close's position
+                S, z = S * torch.exp(lam_h * (t1 - t0)), z * torch.exp(lam_h[..., 0] * (t1 - t0))
             keep, cache_ok, S, z = close_block(
                 cache.score, keys[:, :, n_fixed:], vals[:, :, n_fixed:], cand_ok, cand_pos, cand_acc,
-                S, z, lam, phi_k_map,
+                S, z, lam, phi_k_map, fold_weights(log_decay, t1, w, cand_pos),
             )
             cache_idx = cand_pos.gather(-1, keep)
     out = torch.cat(outs, dim=2).to(q.dtype)
     final = None
     if output_final_state:
+        if lam_h is not None and bounds:  # as of the last position, as the decode step keeps them
+            age = T - 1 - bounds[-1][0]
+            S, z = S * torch.exp(lam_h * age), z * torch.exp(lam_h[..., 0] * age)
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
         final = sparse_final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc)
     return (out, final, torch.cat(shares, dim=2)) if return_shares else (out, final)

@@ -46,11 +46,14 @@ def close_block(
     z: Tensor,
     size: int,
     phi_k,
+    fold_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One eviction: keep the ``size`` best candidates (ties: the earlier position), fold the others.
 
     Candidates ``[B, Hk, N, ...]`` come in position order with empty/padding slots invalid. Returns
-    (index of the kept candidates in position order ``[B, Hk, size]``, their validity, S', z')."""
+    (index of the kept candidates in position order ``[B, Hk, size]``, their validity, S', z').
+    ``fold_weight`` ``[B|1, Hk, N]``: what a folded candidate enters S, z with (a decaying state's
+    ``fold_weights``); the scores read S, z as given."""
     fk = phi_k(cand_k.float())  # the score's (sre) and the fold's: one feature map per candidate
     with torch.no_grad():
         score = candidate_scores(rule, cand_k, cand_v, cand_pos, cand_acc, S, z, phi_k, fk.detach())
@@ -59,10 +62,20 @@ def close_block(
         kept_pos = cand_pos.gather(-1, best).masked_fill(~cand_valid.gather(-1, best), torch.iinfo(torch.long).max)
         keep = best.gather(-1, kept_pos.argsort(dim=-1, stable=True))
     fold = folded_candidates(cand_valid, keep).unsqueeze(-1)
-    fk = fk * fold
+    fk = fk * fold if fold_weight is None else fk * (fold * fold_weight.unsqueeze(-1))
     S = S + torch.matmul(fk.transpose(-1, -2), cand_v.float())
     z = z + fk.sum(dim=2)
     return keep, cand_valid.gather(-1, keep), S, z
+
+
+def fold_weights(log_decay: Tensor | None, close_t: int, window: int, pos: Tensor) -> Tensor | None:
+    """gamma^(close_t - w - p) ``[1|B, Hk, N]`` for keys at positions ``pos`` ``[..., Hk, N]`` folded by
+    the close at position ``close_t``: their weight in a decaying state as of that position (the
+    age since each left the window; empty slots clamp to age 0). None without a decay."""
+    if log_decay is None:
+        return None
+    age = (close_t - window - pos).clamp(min=0).float()
+    return torch.exp(log_decay.float().view(-1, 1) * age)
 
 
 def folded_candidates(cand_valid: Tensor, keep: Tensor) -> Tensor:

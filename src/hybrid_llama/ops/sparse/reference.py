@@ -30,11 +30,16 @@ def hybrid_attention_sparse_reference(
     cache: SparseCacheConfig,
     feature_map: FeatureMap = "elu1",
     key_padding_mask: Tensor | None = None,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, None, list]:
     """Returns ``(o, None, caches)``: o ``[B, H, T, D]``, and ``caches[b][h_kv][t]`` the sorted
-    positions in the cache when query t attends (for the diagnostics' tests)."""
+    positions in the cache when query t attends (for the diagnostics' tests). ``log_decay`` ``[H_kv]``:
+    the linear state decays by gamma at every position, and a key folded at position t enters it
+    at gamma^(t - w - p), so that key p always weighs gamma^(t - w - p) there, as without the cache."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
         k, v = expand_kv(q, k, v)
+        if log_decay is not None:
+            log_decay = log_decay.repeat_interleave(q.shape[1] // log_decay.shape[0])
     B, H, T, D = q.shape
     Hk, w, lam, ns = k.shape[1], window, cache.size, cache.sinks
     g = H // Hk
@@ -52,7 +57,10 @@ def hybrid_attention_sparse_reference(
             S = torch.zeros(fk.shape[-1], D)
             z = torch.zeros(fk.shape[-1])
             rand = random_scores(torch.arange(T).view(1, 1, T).expand(1, Hk, T), Hk)[0, hk]
+            lam_h = 0.0 if log_decay is None else log_decay[hk].float()
             for t in range(T):
+                if log_decay is not None:  # the sums age one position
+                    S, z = S * torch.exp(lam_h), z * torch.exp(lam_h)
                 if t >= w:
                     s = t - w
                     (sinks if s < ns else pending).append(s)
@@ -70,8 +78,9 @@ def hybrid_attention_sparse_reference(
                         kept = sorted(ranked[:lam])
                         for p in valid:
                             if p not in kept:
-                                S = S + torch.outer(fk[bi, hk, p], vf[bi, hk, p])
-                                z = z + fk[bi, hk, p]
+                                weight = 1.0 if log_decay is None else torch.exp(lam_h * (t - w - p))
+                                S = S + torch.outer(fk[bi, hk, p], vf[bi, hk, p]) * weight
+                                z = z + fk[bi, hk, p] * weight
                         cached, pending = kept, []
                 history[bi][hk].append(list(cached))
                 exact = [p for p in sinks + cached + pending + list(range(max(0, t - w + 1), t + 1)) if real[bi, p]]

@@ -19,7 +19,7 @@ from ..hybrid.reference import combine, mixing_weights
 from ..hybrid.step import check_step_shapes
 from ..state import HybridState, empty_sparse_state, init_state
 from .config import SparseCacheConfig
-from .eviction import close_block, gather_slots
+from .eviction import close_block, fold_weights, gather_slots
 
 
 def _put(buf: Tensor, slot: int, x: Tensor) -> Tensor:
@@ -53,9 +53,11 @@ def hybrid_attention_step_sparse(
     cache: SparseCacheConfig,
     feature_map: FeatureMap = "elu1",
     key_valid: Tensor | None = None,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """q ``[B, H, 1, D]``, k/v ``[B, H_kv, 1, D]``; returns (out, new state). Functional: the old
-    state is left as it was."""
+    state is left as it was. ``log_decay`` ``[H_kv]``: the sums age by gamma first, then a close
+    folds each loser at gamma^(its age), as the prefill paths do."""
     check_step_shapes(q, k, v, state)
     if state.sparse is None:
         B, Hk, w, D = state.k_window.shape
@@ -70,6 +72,9 @@ def hybrid_attention_step_sparse(
     new_valid = torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).bool()
     # One shallow copy: the step replaces its fields, never writes into the old state's tensors.
     sp, S, z = state.sparse.map(lambda _, x: x), state.S, state.z
+    if log_decay is not None:
+        gamma = torch.exp(log_decay.float())
+        S, z = S * gamma.view(1, -1, 1, 1), z * gamma.view(1, -1, 1)
     ring = t % w
     if t >= w:  # position s = t - w leaves the ring
         s = t - w
@@ -91,7 +96,7 @@ def hybrid_attention_step_sparse(
                 cand_pos = torch.cat([sp.cache_pos.clamp(min=0), blk_pos], -1)
                 cand_acc = torch.cat([sp.cache_acc, sp.pend_acc], -1)
                 keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, cand_acc, S, z, lam,
-                                             phi_k_map)
+                                             phi_k_map, fold_weights(log_decay, t, w, cand_pos))
                 sp.cache_k, sp.cache_v = gather_slots(cand_k, keep), gather_slots(cand_v, keep)
                 sp.cache_valid, sp.cache_acc = ok, cand_acc.gather(-1, keep)
                 sp.cache_pos = cand_pos.gather(-1, keep).masked_fill(~ok, -1)
