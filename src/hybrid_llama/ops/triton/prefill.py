@@ -454,15 +454,16 @@ def _bwd_q_kernel(
                                     HAS_MASK, FEATURES)
             ok = tk[None, :] <= tq[:, None] - W
             A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
-            dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
             if DECAY:
                 age = tl.maximum(tq[:, None] - W - tk[None, :], 0)
                 dec = _decayed(lam, age)
-                A = A * dec  # the weights of the output; dA is the gradient of each weight
-                dl_row += tl.sum(age.to(tl.float32) * A * dA, 1)
-                dA = dA * dec
+                A = A * dec  # the weights of the output; dA below is the gradient of each weight
             lin += tl.dot(A, vf, input_precision=PREC)
             lden += tl.sum(A, 1)
+            dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
+            if DECAY:
+                dl_row += tl.sum(age.to(tl.float32) * A * dA, 1)
+                dA = dA * dec
             dpq += tl.dot(dA, pk, input_precision=PREC)
         if FEATURES:
             tl.store(dfq_ptr + b * sdfqb + h * sdfqh + tq[:, None] * sdfqt + f[None, :],
@@ -604,12 +605,13 @@ def _bwd_kv_kernel(
                 dn = do * lsc[:, None]
                 ok = (tq[None, :] >= tk[:, None] + W) & (q_ok & (tq < U))[None, :]  # t >= U: suffix state
                 A = tl.where(ok, tl.dot(pk, tl.trans(pq), input_precision=PREC), 0.0)
-                dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
                 if DECAY:
                     dec = _decayed(lam, tq[None, :] - W - tk[:, None])
                     A = A * dec
-                    dA = dA * dec
                 dv += tl.dot(A, dn, input_precision=PREC)
+                dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
+                if DECAY:
+                    dA = dA * dec
                 dpk += tl.dot(dA, pq, input_precision=PREC)
     dk = dk * sm_scale
     if LINEAR:
