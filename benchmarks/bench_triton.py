@@ -35,9 +35,10 @@ its maps applied in torch to the new query and the evicted key). Tokens/s = batc
 
 It needs CUDA; on a machine without it, it exits with a message and status 2. The one exception is
 ``--compile-only``: it compiles the bf16 kernels (elu1 at D = 64 and 128, and the feature-reading
-variants at D = 64, F = 128; ``--features-only`` for those alone) for sm_90 with triton's bundled
-ptxas, no GPU needed, and prints their shared memory and register spills (a check that the kernels
-build for an H100, not a measurement of speed). No numbers here are
+variants at D = 64, F = 128; ``--features-only`` for those alone; ``--decay-only`` for the
+decaying-state variants, ``DECAY`` on, of both) for sm_90 with triton's bundled ptxas, no GPU
+needed, and prints their shared memory and register spills (a check that the kernels build for an
+H100, not a measurement of speed). No numbers here are
 made up: docs/triton.md records what a run printed, with the device name.
 """
 
@@ -157,19 +158,27 @@ def compile_only(arch: int = 90) -> int:
     variants = [(64, 64, False), (128, 128, False), (64, 128, True)]
     if "--features-only" in sys.argv[1:]:
         variants = [x for x in variants if x[2]]
+    decay = "--decay-only" in sys.argv[1:]
+    if decay:  # the decaying state at D = 64: elu1 and Hedgehog's features
+        variants = [x for x in variants if x[0] == 64]
     for D, F, feats in variants:
         block = pre.default_block(D, F)
         launch = pre._launch(block, max(D, F))
         for lol in (False, True):
-            c = dict(BLOCK=block, D=D, F=F, HAS_MASK=lol, LOLCATS=lol, FEATURES=feats, LINEAR=True, PREC="tf32")
+            c = dict(BLOCK=block, D=D, F=F, HAS_MASK=lol, LOLCATS=lol, FEATURES=feats, LINEAR=True, PREC="tf32",
+                     DECAY=decay)
             for fn in (pre._fwd_kernel, pre._bwd_q_kernel, pre._bwd_kv_kernel):
                 build(fn, c, launch["num_warps"], launch["num_stages"])
-        c = dict(BLOCK=block, D=D, F=F, HAS_MASK=True, FEATURES=feats, PREC="tf32")
+        c = dict(BLOCK=block, D=D, F=F, HAS_MASK=True, FEATURES=feats, PREC="tf32", DECAY=decay, AGED=decay)
         build(pre._kv_state_kernel, c, launch["num_warps"], launch["num_stages"])
-        c = dict(BLOCK=block, D=D, F=F, FEATURES=feats, PREC="tf32")
+        c = dict(BLOCK=block, D=D, F=F, FEATURES=feats, PREC="tf32", DECAY=decay)
         build(pre._q_state_kernel, c, launch["num_warps"], launch["num_stages"])
-        c = dict(W=64, WP=64, D=D, F=F, EVICT=True, INPLACE=False, LOLCATS=False, FEATURES=feats, LINEAR=True)
+        c = dict(W=64, WP=64, D=D, F=F, EVICT=True, INPLACE=False, LOLCATS=False, FEATURES=feats, LINEAR=True,
+                 DECAY=decay)
         build(dec._step_kernel, c, 8, 3)
+    if decay:
+        for aged in (False, True):
+            build(pre._decay_scan_kernel, dict(REVERSE=not aged, AGED=aged, BLOCK_E=1024), 4, 3)
     return 0
 
 
@@ -196,6 +205,9 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90 offline (no GPU needed)")
     ap.add_argument(
         "--features-only", action="store_true", help="with --compile-only: only the Hedgehog-feature kernels"
+    )
+    ap.add_argument(
+        "--decay-only", action="store_true", help="with --compile-only: only the decaying-state kernels (D = 64)"
     )
     args = ap.parse_args()
 

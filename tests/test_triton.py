@@ -415,6 +415,165 @@ def test_decode_step_with_grad_falls_back_to_torch():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+# -------------------------------------------------------------------------- decaying linear state
+
+# log gamma per KV head: a long memory and a short one (gamma 0.3: ages past ~60 underflow to 0).
+LOG_DECAY = (math.log(0.97), math.log(0.3))
+
+
+def check_decay_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, formulation="hybrid", mask_p=None,
+                   block=None, seed=0):
+    """Triton with ``log_decay`` vs the chunked torch path with it: output, final state, and the
+    gradients of q, k, v, both logits, log_decay and the maps' parameters, fp32."""
+    from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
+
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed, logit_scale=2.0)
+    ld = torch.tensor(LOG_DECAY[:HKV], device=DEV).requires_grad_()
+    fmap = make_feature_map(kind, H, HKV, D, feature_dim, seed)
+    mask = None
+    if mask_p is not None:
+        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
+        mask[0, : min(T, 3)] = False
+        mask = mask.to(DEV)
+    kw = dict(window=window, formulation=formulation, feature_map=fmap, key_padding_mask=mask, log_decay=ld,
+              output_final_state=True)
+    out, st = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)
+    ref, ref_st = hybrid_attention_chunked(q, k, v, wl, ll, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for name in ("S", "z", "k_window", "v_window", "window_valid"):
+        torch.testing.assert_close(getattr(st, name), getattr(ref_st, name), atol=1e-5, rtol=1e-5, msg=name)
+    assert st.seen == ref_st.seen == T
+    inputs = (q, k, v, wl, ll, ld, *map_params(fmap))
+    names = ("dq", "dk", "dv", "dwindow_logit", "dlinear_logit", "dlog_decay")
+    names += tuple(f"dmap{i}" for i in range(len(inputs) - len(names)))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
+    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(names, grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m, name=name: f"{name}: {m}")
+    if formulation == "window":
+        assert not grads[5].any()
+    else:
+        assert grads[5].abs().min() > 0  # both heads' decays are trained
+    return out
+
+
+# (map, T, D, feature_dim, window, block, formulation, padding probability); H = 4 over 2 KV heads.
+DECAY_CASES = [
+    ("elu1", 150, 16, None, 20, 16, "hybrid", 0.3),  # window not a multiple of the block, padding
+    ("elu1", 200, 16, None, 48, 32, "lolcats", None),  # 3 key blocks
+    ("elu1", 130, 32, None, 16, None, "hybrid", None),  # default block (64 > window)
+    ("elu1", 90, 16, None, 20, 16, "window", 0.3),  # no linear part: the decay's gradient is zero
+    ("pair", 100, 16, 16, 16, 32, "hybrid", 0.3),  # F = 32 != D, keys mapped at the KV heads
+    ("pair", 90, 16, 16, 20, 16, "lolcats", None),
+    ("single", 70, 16, 16, 16, 32, "hybrid", 0.3),  # k/v (and the decay) expanded to the 4 query heads
+]
+
+
+@pytest.mark.parametrize("kind,T,D,feature_dim,window,block,formulation,mask_p", DECAY_CASES)
+def test_prefill_with_decay_vs_chunked(kind, T, D, feature_dim, window, block, formulation, mask_p):
+    check_decay_op(T, D, window, kind, feature_dim=feature_dim, block=block, formulation=formulation, mask_p=mask_p)
+
+
+def test_prefill_with_decay_vs_naive_and_gamma_one():
+    """Against the independent naive op with the decay written in (key j at gamma^(t-w-j)), and
+    log gamma = 0 gives the undecayed kernels' output exactly."""
+    B, H, HKV, T, D, w = 2, 2, 1, 80, 16, 12
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.float32, seed=31))
+    ld = torch.tensor([math.log(0.9)], device=DEV)
+    out = hybrid_attention_triton(q, k, v, wl, ll, window=w, block_size=16, log_decay=ld)[0]
+    t = torch.arange(T, device=DEV)[:, None]
+    j = torch.arange(T, device=DEV)[None, :]
+    age = (t - w - j).clamp(min=0).double()
+    # The naive op's linear scores take the decay through phi(k): scale each (t, j) pair by hand.
+    qd, kd, vd = q.double(), k.double(), v.double()
+
+    def phi(x):
+        return torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0)))
+
+    s = (qd @ kd.transpose(-1, -2)) / math.sqrt(D)
+    win = (j <= t) & (j > t - w)
+    e = torch.exp(s.masked_fill(~win, float("-inf")) - s.masked_fill(~win, float("-inf")).amax(-1, keepdim=True))
+    A = (phi(qd) @ phi(kd).transpose(-1, -2)) * (j <= t - w) * torch.exp(math.log(0.9) * age)
+    a = torch.sigmoid(wl.double())[None, :, None, None]
+    b = torch.sigmoid(ll.double())[None, :, None, None]
+    want = (a * (e @ vd) / e.sum(-1, keepdim=True) + b * (A @ vd)) / (a + b * A.sum(-1, keepdim=True))
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+    plain = hybrid_attention_triton(q, k, v, wl, ll, window=w, block_size=16)[0]
+    at_one = hybrid_attention_triton(q, k, v, wl, ll, window=w, block_size=16, log_decay=torch.zeros(1, device=DEV))[0]
+    torch.testing.assert_close(at_one, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_dispatcher_runs_triton_with_decay(monkeypatch):
+    """``backend="triton"`` takes the kernels with a decay (never chunked), prefill and step."""
+    import hybrid_llama.ops.dispatch as ops
+    import hybrid_llama.ops.hybrid.chunked as chunked
+
+    def no_torch(*args, **kwargs):
+        raise AssertionError("fell back to torch")
+
+    q, k, v, wl, ll = make_inputs(1, 4, 2, 40, 16, torch.float32, seed=32)
+    ld = torch.tensor(LOG_DECAY, device=DEV).requires_grad_()
+    ref, ref_st = hybrid_attention(q, k, v, wl, ll, window=8, backend="chunked", log_decay=ld, output_final_state=True)
+    monkeypatch.setattr(chunked, "hybrid_attention_chunked", no_torch)
+    monkeypatch.setattr(ops, "hybrid_attention_step_torch", no_torch)
+    out, st = hybrid_attention(q, k, v, wl, ll, window=8, backend="triton", log_decay=ld, output_final_state=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(st.S, ref_st.S, atol=1e-5, rtol=1e-5)
+    g = torch.autograd.grad(out.square().sum(), (q, k, v, ld))
+    rg = torch.autograd.grad(ref.square().sum(), (q, k, v, ld))
+    for got, want in zip(g, rg):
+        torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    with torch.no_grad():
+        o, new = hybrid_attention_step(q[:, :, :1].detach(), k[:, :, :1].detach(), v[:, :, :1].detach(), st, wl, ll,
+                                       backend="triton", log_decay=ld)
+    assert new.seen == 41
+    with pytest.raises(ValueError, match="no decaying linear state"):
+        hybrid_attention(q, k, v, wl, ll, window=8, backend="seed_naive", log_decay=ld)
+    with pytest.raises(NotImplementedError, match="inference-only"):  # log_decay requires grad
+        hybrid_attention_step_triton(q[:, :, :1].detach(), k[:, :, :1].detach(), v[:, :, :1].detach(), st,
+                                     wl.detach(), ll.detach(), log_decay=ld)
+
+
+@pytest.mark.parametrize("kind,formulation", [("elu1", "hybrid"), ("elu1", "lolcats"), ("pair", "hybrid"),
+                                              ("elu1", "window")])
+def test_decode_steps_with_decay_match_torch_step(kind, formulation):
+    """Step by step with a decay (GQA 4 over 2, padding evicted from the window): the triton step
+    equals the torch step in outputs and states (S, z scaled by gamma before each fold); the final
+    state equals prefill_state's decayed sums and the outputs the parallel triton op's."""
+    B, H, HKV, T, D, w = 2, 4, 2, 17, 16, 4
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(B, H, HKV, T, D, torch.float32, seed=33, logit_scale=2.0))
+    ld = torch.tensor(LOG_DECAY, device=DEV)
+    fmap = make_feature_map(kind, H, HKV, D, None, seed=33)
+    valid = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    valid[1, :3] = False  # left padding of row 1: evicted at steps 4..6 (the state still decays)
+    valid[0, 6] = False
+    F = D if kind == "elu1" else 2 * D
+    st = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    st_torch = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    outs = []
+    with torch.no_grad():
+        for t in range(T):
+            sl = slice(t, t + 1)
+            kw = dict(feature_map=fmap, formulation=formulation, key_valid=valid[:, t], log_decay=ld)
+            o, st = hybrid_attention_step_triton(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw
+            )
+            o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
+            torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(st.z, st_torch.z, atol=1e-5, rtol=1e-5)
+            outs.append(o)
+        pre = prefill_state(k, v, window=w, feature_map=fmap, key_padding_mask=valid, log_decay=ld)
+        torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.z, pre.z, atol=1e-5, rtol=1e-5)
+        par = hybrid_attention_triton(q, k, v, wl, ll, window=w, formulation=formulation, feature_map=fmap,
+                                      key_padding_mask=valid, log_decay=ld)[0]
+    torch.testing.assert_close(torch.cat(outs, dim=2), par, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------- model level (GQA layer)
 
 

@@ -101,9 +101,10 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked, and the sparse cache's reference, loop and batched paths) compute it; the native and
-    triton kernels do not yet, so ``auto`` takes the torch paths for it (and says so on CUDA), and
-    ``triton`` and ``seed_naive`` refuse it."""
+    chunked, and the sparse cache's reference, loop and batched paths) and the triton kernels compute
+    it; the native CPU kernels do not yet, so ``auto`` takes triton for it on CUDA (the torch paths
+    where the kernels do not cover the other options, the sparse cache included) and the torch paths
+    elsewhere, and ``seed_naive`` refuses it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -120,8 +121,15 @@ def hybrid_attention(
     if log_decay is not None:
         if backend == "reference":
             return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
-        if backend == "auto" and q.is_cuda:
-            _fall_back("", "the triton kernels have no decaying linear state")
+        if backend == "triton" or (backend == "auto" and q.is_cuda):
+            fn = _triton_or_fallback("prefill", "hybrid_attention_triton", backend, "")
+            if fn is not None:
+                if backend == "triton":
+                    return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
+                try:
+                    return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
+                except NotImplementedError as exc:  # an option the kernel does not cover
+                    _fall_back("", f"{exc}")
         from .hybrid.chunked import hybrid_attention_chunked
 
         return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
@@ -162,7 +170,7 @@ def _check_decay(log_decay: Tensor | None, cache: SparseCacheConfig, backend: st
     """Refuse a decaying linear state where no path computes it (see ``hybrid_attention``)."""
     if log_decay is None:
         return
-    if backend in ("triton", "seed_naive"):
+    if backend == "seed_naive":
         raise ValueError(f"backend={backend!r} has no decaying linear state (log_decay); use 'auto' or 'chunked'")
 
 
@@ -311,18 +319,29 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
-    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch step computes it).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch and triton steps
+    compute it).
     """
     cache = sparse or NO_CACHE
     if log_decay is not None:
         _check_backend(backend)
         cache.require_formulation(formulation)
         _check_decay(log_decay, cache, backend)
-        if backend == "auto" and q.is_cuda:
-            _fall_back("_step", "the triton kernels have no decaying linear state")
         if cache.active or state.sparse is not None:
+            if backend == "triton" or (backend == "auto" and q.is_cuda):
+                _fall_back("_step", "the triton kernels have no sparse cache")
             return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache,
                                                 feature_map=feature_map, key_valid=key_valid, log_decay=log_decay)
+        if backend == "triton" or (backend == "auto" and q.is_cuda):
+            fn = _triton_or_fallback("decode", "hybrid_attention_step_triton", backend, "_step")
+            if fn is not None:
+                dkw = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid, log_decay=log_decay)
+                if backend == "triton":
+                    return fn(q, k, v, state, window_logit, linear_logit, **dkw)
+                try:
+                    return fn(q, k, v, state, window_logit, linear_logit, **dkw)
+                except NotImplementedError as exc:  # e.g. under autograd: the kernel has no backward
+                    _fall_back("_step", f"{exc}")
         return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
                                            formulation=formulation, key_valid=key_valid, inplace=inplace,
                                            log_decay=log_decay)

@@ -2,7 +2,9 @@
 
 One program per (batch row, KV head):
   1. when ``seen >= w``, fold the key leaving the window (slot ``seen % w``, position seen-w) into
-     S, z (only if that slot held a real key);
+     S, z (only if that slot held a real key); with a decaying state (``log_decay``, constexpr
+     ``DECAY``) S, z are first scaled by gamma of the KV head, ``S <- gamma S + phi(k) v^T``, as the
+     torch step does (also when the leaving slot was padding);
   2. write the new key/value into that slot of the ring buffer;
   3. for every query head sharing the KV head (GQA): softmax over the w slots, linear readout
      ``phi(q) S`` / ``phi(q) . z``, and the same combination as ``reference.combine``.
@@ -53,11 +55,12 @@ def _step_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, fq_ptr, fk_ptr,
     kw_ptr, vw_ptr, s_ptr, z_ptr,  # old state
     kw_new, vw_new, s_new, z_new,  # new state (the same tensors when in place)
-    valid_ptr, ev_ptr, a_ptr, b_ptr,
+    valid_ptr, ev_ptr, a_ptr, b_ptr, lam_ptr,
     sqb, sqh, skb, skh, svb, svh, sob, soh,
     H, HKV, slot, sm_scale,
     W: tl.constexpr, WP: tl.constexpr, D: tl.constexpr, F: tl.constexpr, EVICT: tl.constexpr,
     INPLACE: tl.constexpr, LOLCATS: tl.constexpr, FEATURES: tl.constexpr, LINEAR: tl.constexpr,
+    DECAY: tl.constexpr,
 ):
     bhk = tl.program_id(0).to(tl.int64)  # 64-bit offsets for large batches
     b = bhk // HKV
@@ -81,6 +84,10 @@ def _step_kernel(
         else:
             k_old = tl.sum(tl.where(ws[:, None] == slot, K, 0.0).to(tl.float32), 0)
             pk = phi(k_old) * ev
+        if DECAY:
+            gamma = tl.exp(tl.load(lam_ptr + hk))
+            S = S * gamma
+            z = z * gamma
         S += pk[:, None] * v_old[None, :]
         z += pk
     k_in = tl.load(k_ptr + b * skb + hk * skh + d).to(kw_ptr.dtype.element_ty)
@@ -147,6 +154,7 @@ def hybrid_attention_step_triton(
     formulation: str = "hybrid",
     key_valid: Tensor | None = None,
     inplace: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """One decode step, same semantics as ``hybrid_llama.ops.hybrid.step.hybrid_attention_step_torch``.
 
@@ -154,11 +162,15 @@ def hybrid_attention_step_triton(
     H_kv = H for expanded k/v); ``key_valid`` ``[B]`` bool. Returns (out ``[B, H, 1, D]``, new state).
     ``feature_map``: "elu1" (fused), or a callable / (query_map, key_map) pair applied in torch to the
     new query and to the key leaving the window; the state's S is then ``[B, H_kv, F, D]``.
+    ``log_decay`` ``[H_kv]``: log gamma of a decaying linear state; when a key leaves the window S, z
+    are scaled by gamma before it is folded in (None: no decay).
     """
     lolcats, linear = formulation_flags(formulation)
     check_step_shapes(q, k, v, state)
     if v.shape != k.shape:
         raise ValueError(f"triton decode needs v shaped like k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if log_decay is not None and log_decay.shape != (k.shape[1],):
+        raise ValueError(f"log_decay must be [H_kv]=[{k.shape[1]}], got {tuple(log_decay.shape)}")
     B, H, _, D = q.shape
     HKV = k.shape[1]
     w = state.window
@@ -195,7 +207,7 @@ def hybrid_attention_step_triton(
             phi_old = key_map(state.k_window[:, :, slot : slot + 1].float())
             if phi_old.shape != (B, HKV, 1, F):
                 raise ValueError(f"key features {tuple(phi_old.shape)} do not match the state's width F = {F}")
-    grad_inputs = (q, k, v, window_logit, linear_logit, *(x for x in (phi_q, phi_old) if x is not None))
+    grad_inputs = (q, k, v, window_logit, linear_logit, *(x for x in (phi_q, phi_old, log_decay) if x is not None))
     if torch.is_grad_enabled() and any(x.requires_grad for x in grad_inputs):
         # The step kernel has no backward; the dispatcher then uses the (differentiable) torch step.
         raise NotImplementedError("triton decode step is inference-only (no autograd)")
@@ -226,13 +238,15 @@ def hybrid_attention_step_triton(
     else:  # the window formulation: hybrid with b = 0, a = 1 makes its normalisation exact
         a = torch.ones(H, device=q.device, dtype=torch.float32)
         bw = torch.zeros(H, device=q.device, dtype=torch.float32)
+    decay = log_decay is not None
+    lam = log_decay.float().contiguous() if decay else a  # a: a placeholder, never read
     out = torch.empty_like(q)
     _step_kernel[(B * HKV,)](
-        q, k, v, out, fq, fk, kw, vw, S, z, new.k_window, new.v_window, new.S, new.z, valid8, ev, a, bw,
+        q, k, v, out, fq, fk, kw, vw, S, z, new.k_window, new.v_window, new.S, new.z, valid8, ev, a, bw, lam,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         H, HKV, slot, 1.0 / math.sqrt(D),
         W=w, WP=triton.next_power_of_2(w), D=D, F=F, EVICT=evict, INPLACE=inplace, LOLCATS=lolcats,
-        FEATURES=features, LINEAR=linear,
+        FEATURES=features, LINEAR=linear, DECAY=decay,
         num_warps=8 if D * max(F, w) >= 64 * 64 else 4,  # 4 warps need ~254 registers at D = w = 64
     )
     return out, new

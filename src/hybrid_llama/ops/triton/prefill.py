@@ -43,6 +43,14 @@ GQA: k, v may have H_kv heads with H % H_kv == 0 (or be expanded, H_kv = H); que
 KV head h // (H / H_kv). Key padding is supported (padded keys' features are masked to zero in
 the kernels: a learned phi(k) of a padded row is not zero).
 
+Decaying linear state (``log_decay`` [H_kv], constexpr ``DECAY``): key j enters query t's linear
+part at gamma^(t - w - j). Chunk increments weight key row r by gamma^(BLOCK-1-r) and
+``_decay_scan_kernel`` replaces the cumsum (``S_c = gamma^BLOCK S_(c-1) + inc_(c-1)``); a row reads
+its prefix state at gamma^(t - w - c0*BLOCK + 1) and its explicit keys at gamma^(t-w-j). The
+backward mirrors it (query rows at gamma^r, a reverse scan, keys at gamma^(c*BLOCK - w - j)), and
+``_bwd_q_kernel`` writes d/d log gamma per row from local ages only: the explicit pairs' own, the
+prefix read's age, and a read of age-weighted prefix sums (``AGED``). See docs/triton.md.
+
 LoLCATs: its window term uses exp(s - m) with m the window max, and the reference lets the gradient
 flow through that max (torch.amax). The kernels track the argmax key per row and route the
 max-gradient there; on exact score ties torch would split it, we give it to the first one.
@@ -130,6 +138,52 @@ def _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK: tl.constexp
 
 
 @triton.jit
+def _decayed(lam, age):
+    """gamma^age for log gamma ``lam`` (<= 0); ages below zero (masked entries) count as 0, so
+    nothing overflows."""
+    return tl.exp(lam * tl.maximum(age, 0).to(tl.float32))
+
+
+@triton.jit
+def _load_lam(lam_ptr, hk, DECAY: tl.constexpr):
+    """log gamma of KV head ``hk`` (0.0 without a decay)."""
+    if DECAY:
+        lam = tl.load(lam_ptr + hk)
+    else:
+        lam = 0.0
+    return lam
+
+
+@triton.jit
+def _decay_scan_kernel(x_ptr, y_ptr, lam_ptr, HKV, NC1, E, CHUNK,
+                       REVERSE: tl.constexpr, AGED: tl.constexpr, BLOCK_E: tl.constexpr):
+    """In place over the chunk axis of x ``[B*H_kv, NC1, E]`` (fp32), one program per (row, E tile):
+    forward ``x[c] = gamma^CHUNK x[c-1] + x[c]`` for c = 1 .. NC1-1 (slot 0 holds zeros), reverse
+    ``x[c] = x[c] + gamma^CHUNK x[c+1]`` for c = NC1-2 .. 0 (slot NC1-1 holds zeros). With ``AGED``
+    (forward only) y holds the age-weighted increments and becomes
+    ``y[c] = gamma^CHUNK (y[c-1] + CHUNK x[c-1]) + y[c]``: the same sums with each key weighted by its
+    age times its decay."""
+    bh = tl.program_id(1).to(tl.int64)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ok = e < E
+    gc = tl.exp(tl.load(lam_ptr + bh % HKV) * CHUNK)
+    base = bh * NC1 * E + e
+    prev = tl.zeros([BLOCK_E], tl.float32)
+    prev_a = tl.zeros([BLOCK_E], tl.float32)
+    for i in range(1, NC1):
+        if REVERSE:
+            c = NC1 - 1 - i
+        else:
+            c = i
+        off = base + c * E
+        if AGED:
+            prev_a = gc * (prev_a + CHUNK * prev) + tl.load(y_ptr + off, mask=ok, other=0.0)
+            tl.store(y_ptr + off, prev_a, mask=ok)
+        prev = gc * prev + tl.load(x_ptr + off, mask=ok, other=0.0)
+        tl.store(x_ptr + off, prev, mask=ok)
+
+
+@triton.jit
 def _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfkt, T,
                    HAS_MASK: tl.constexpr, FEATURES: tl.constexpr):
     """phi(k) [BLOCK, F] and v [BLOCK, D] of the key rows tk in fp32, both zero for padded or
@@ -145,12 +199,15 @@ def _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfk
 
 @triton.jit
 def _kv_state_kernel(
-    k_ptr, v_ptr, fk_ptr, km_ptr, s_ptr, z_ptr,
+    k_ptr, v_ptr, fk_ptr, km_ptr, s_ptr, z_ptr, lam_ptr, sa_ptr, za_ptr,
     skb, skh, skt, svb, svh, svt, sfkb, sfkh, sfkt, smb,
     HKV, T, NC1,
     BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr,
-    FEATURES: tl.constexpr, PREC: tl.constexpr,
+    FEATURES: tl.constexpr, PREC: tl.constexpr, DECAY: tl.constexpr, AGED: tl.constexpr,
 ):
+    """Chunk c's increment ``phi(K_c)^T V_c``, ``sum phi(K_c)``; with a decay each key weighted by
+    gamma^(BLOCK-1-r) (its weight at the chunk's last position), and with ``AGED`` also the same
+    sums weighted by (BLOCK-1-r) gamma^(BLOCK-1-r) (for the decay's own gradient)."""
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
     b = bh // HKV
@@ -160,21 +217,31 @@ def _kv_state_kernel(
     f = tl.arange(0, F)
     pk, vf = _phi_key_block(k_ptr + b * skb + hk * skh, v_ptr + b * svb + hk * svh, fk_ptr + b * sfkb + hk * sfkh,
                             km_ptr, b, smb, rows, d, f, skt, svt, sfkt, T, HAS_MASK, FEATURES)
-    st = tl.dot(tl.trans(pk), vf, input_precision=PREC)
-    # Chunk c goes to slot c + 1: a cumsum over slots then gives the exclusive prefix in slot c.
+    # Chunk c goes to slot c + 1: a cumsum (a decayed scan) over slots then gives the exclusive
+    # prefix in slot c.
     slot = bh * NC1 + c + 1
+    if DECAY:
+        age = BLOCK - 1 - tl.arange(0, BLOCK)
+        ks = _decayed(tl.load(lam_ptr + hk), age)
+        if AGED:
+            pa = pk * (age.to(tl.float32) * ks)[:, None]
+            sta = tl.dot(tl.trans(pa), vf, input_precision=PREC)
+            tl.store(sa_ptr + slot * F * D + f[:, None] * D + d[None, :], sta)
+            tl.store(za_ptr + slot * F + f, tl.sum(pa, 0))
+        pk = pk * ks[:, None]
+    st = tl.dot(tl.trans(pk), vf, input_precision=PREC)
     tl.store(s_ptr + slot * F * D + f[:, None] * D + d[None, :], st)
     tl.store(z_ptr + slot * F + f, tl.sum(pk, 0))
 
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, o_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
+    q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, o_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr, lam_ptr,
     m_ptr, l_ptr, den_ptr, idx_ptr,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sob, soh, sot, smb,
     H, HKV, T, W, NC1, sm_scale,
     BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr, DECAY: tl.constexpr,
 ):
     mb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
@@ -223,14 +290,22 @@ def _fwd_kernel(
         else:
             pq = phi(q.to(tl.float32))
         c0, s_pre, z_pre = _prefix_state(s_ptr, z_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK, D, F)
-        lin += tl.dot(pq, s_pre, input_precision=PREC)
-        lden += tl.sum(pq * z_pre[None, :], 1)
+        lam = _load_lam(lam_ptr, hk, DECAY)
+        if DECAY:
+            # The prefix state holds its keys as of position c0*BLOCK - 1; row t reads it t-w-c0*BLOCK+1 later.
+            pqs = pq * _decayed(lam, tq - W - c0 * BLOCK + 1)[:, None]
+        else:
+            pqs = pq
+        lin += tl.dot(pqs, s_pre, input_precision=PREC)
+        lden += tl.sum(pqs * z_pre[None, :], 1)
         fkbase = fk_ptr + b * sfkb + hk * sfkh
         for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
             tk = n + r
             pk, vf = _phi_key_block(kbase, vbase, fkbase, km_ptr, b, smb, tk, d, f, skt, svt, sfkt, T,
                                     HAS_MASK, FEATURES)
             A = tl.dot(pq, tl.trans(pk), input_precision=PREC)
+            if DECAY:
+                A = A * _decayed(lam, tq[:, None] - W - tk[None, :])
             A = tl.where(tk[None, :] <= tq[:, None] - W, A, 0.0)
             lin += tl.dot(A, vf, input_precision=PREC)
             lden += tl.sum(A, 1)
@@ -265,12 +340,12 @@ def _fwd_kernel(
 def _bwd_q_kernel(
     q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, o_ptr, do_ptr, dq_ptr, dfq_ptr, km_ptr, s_ptr, z_ptr, a_ptr, b_ptr,
     m_ptr, l_ptr, den_ptr, idx_ptr,
-    gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr, da_ptr, db_ptr,
+    gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr, da_ptr, db_ptr, lam_ptr, sa_ptr, za_ptr, dl_ptr,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sob, soh, sot,
     sdob, sdoh, sdot, sdqb, sdqh, sdqt, sdfqb, sdfqh, sdfqt, smb,
     H, HKV, T, W, NC1, sm_scale,
     BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr, DECAY: tl.constexpr,
 ):
     mb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit offsets for large B*H*T*D
@@ -346,6 +421,7 @@ def _bwd_q_kernel(
     lsc = bw * inv  # dN = lsc * do, the gradient of phi(q) S
     ldd = bw * dden  # dZ, the gradient of phi(q) . z
     db_row = tl.zeros([BLOCK], tl.float32)
+    dl_row = tl.zeros([BLOCK], tl.float32)
     if LINEAR:
         dn = do * lsc[:, None]
         if FEATURES:
@@ -356,6 +432,21 @@ def _bwd_q_kernel(
         lin = tl.dot(pq, s_pre, input_precision=PREC)
         lden = tl.sum(pq * z_pre[None, :], 1)
         dpq = tl.dot(dn, tl.trans(s_pre), input_precision=PREC) + ldd[:, None] * z_pre[None, :]
+        lam = _load_lam(lam_ptr, hk, DECAY)
+        if DECAY:
+            # Row t reads the prefix state e_t = t-w-c0*BLOCK+1 positions after its last key: every
+            # term below carries gamma^e_t, and d/d log gamma of key j's weight gamma^(e_t + age_j) is
+            # (e_t + age_j) times it: e_t times the read, plus the read of the age-weighted state.
+            e_t = tl.maximum(tq - W - c0 * BLOCK + 1, 0)
+            qs = _decayed(lam, e_t)
+            lin = lin * qs[:, None]
+            lden = lden * qs
+            dpq = dpq * qs[:, None]
+            _, sa_pre, za_pre = _prefix_state(sa_ptr, za_ptr, b, hk, HKV, NC1, s0, W, d, f, BLOCK, D, F)
+            lin_a = tl.dot(pq, sa_pre, input_precision=PREC)
+            lden_a = tl.sum(pq * za_pre[None, :], 1)
+            dl_row = e_t.to(tl.float32) * (tl.sum(lin * dn, 1) + ldd * lden)
+            dl_row += qs * (tl.sum(lin_a * dn, 1) + ldd * lden_a)
         fkbase = fk_ptr + b * sfkb + hk * sfkh
         for n in range(c0 * BLOCK, s0 + BLOCK - W, BLOCK):
             tk = n + r
@@ -363,9 +454,16 @@ def _bwd_q_kernel(
                                     HAS_MASK, FEATURES)
             ok = tk[None, :] <= tq[:, None] - W
             A = tl.where(ok, tl.dot(pq, tl.trans(pk), input_precision=PREC), 0.0)
+            if DECAY:
+                age = tl.maximum(tq[:, None] - W - tk[None, :], 0)
+                dec = _decayed(lam, age)
+                A = A * dec  # the weights of the output; dA below is the gradient of each weight
             lin += tl.dot(A, vf, input_precision=PREC)
             lden += tl.sum(A, 1)
             dA = tl.where(ok, tl.dot(dn, tl.trans(vf), input_precision=PREC) + ldd[:, None], 0.0)
+            if DECAY:
+                dl_row += tl.sum(age.to(tl.float32) * A * dA, 1)
+                dA = dA * dec
             dpq += tl.dot(dA, pk, input_precision=PREC)
         if FEATURES:
             tl.store(dfq_ptr + b * sdfqb + h * sdfqh + tq[:, None] * sdfqt + f[None, :],
@@ -382,18 +480,23 @@ def _bwd_q_kernel(
     tl.store(ldd_ptr + row, ldd, mask=q_ok)
     tl.store(da_ptr + row, da_row, mask=q_ok)
     tl.store(db_ptr + row, db_row, mask=q_ok)
+    if DECAY:
+        tl.store(dl_ptr + row, dl_row, mask=q_ok)
     if LOLCATS:
         tl.store(dm_ptr + row, dm, mask=q_ok)
 
 
 @triton.jit
 def _q_state_kernel(
-    q_ptr, fq_ptr, do_ptr, lsc_ptr, ldd_ptr, g_ptr, gz_ptr,
+    q_ptr, fq_ptr, do_ptr, lsc_ptr, ldd_ptr, g_ptr, gz_ptr, lam_ptr,
     sqb, sqh, sqt, sfqb, sfqh, sfqt, sdob, sdoh, sdot,
     H, HKV, T, NC1,
     BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, FEATURES: tl.constexpr, PREC: tl.constexpr,
+    DECAY: tl.constexpr,
 ):
-    """Per chunk, summed over the query heads of one KV head: phi(Q)^T dN [F, D] and phi(Q)^T dZ [F]."""
+    """Per chunk, summed over the query heads of one KV head: phi(Q)^T dN [F, D] and phi(Q)^T dZ [F];
+    with a decay each query row weighted by gamma^r, r its offset in the chunk (a reverse decayed
+    scan then makes the suffix state of chunk c hold query t at gamma^(t - c*BLOCK))."""
     c = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // HKV
@@ -405,10 +508,14 @@ def _q_state_kernel(
     ok = rows < T
     gs = tl.zeros([F, D], tl.float32)
     gz = tl.zeros([F], tl.float32)
+    if DECAY:
+        qs = _decayed(tl.load(lam_ptr + hk), tl.arange(0, BLOCK))
     for hh in range(0, group):
         h = hk * group + hh
         pq = _q_feature_rows(q_ptr + b * sqb + h * sqh, fq_ptr + b * sfqb + h * sfqh, rows, sqt, sfqt, d, f, ok,
                              FEATURES)
+        if DECAY:
+            pq = pq * qs[:, None]
         do = _load_rows(do_ptr + b * sdob + h * sdoh, rows, sdot, d, ok).to(tl.float32)
         row = (b * H + h) * T + rows
         lsc = tl.load(lsc_ptr + row, mask=ok, other=0.0)
@@ -423,12 +530,12 @@ def _q_state_kernel(
 @triton.jit
 def _bwd_kv_kernel(
     q_ptr, k_ptr, v_ptr, fq_ptr, fk_ptr, do_ptr, dk_ptr, dv_ptr, dfk_ptr, km_ptr, g_ptr, gz_ptr,
-    m_ptr, l_ptr, idx_ptr, gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr,
+    m_ptr, l_ptr, idx_ptr, gsc_ptr, dt_ptr, lsc_ptr, ldd_ptr, dm_ptr, lam_ptr,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sfqb, sfqh, sfqt, sfkb, sfkh, sfkt, sdob, sdoh, sdot,
     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt, sdfkb, sdfkh, sdfkt, smb,
     H, HKV, T, W, NC1, sm_scale,
     BLOCK: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HAS_MASK: tl.constexpr, LOLCATS: tl.constexpr,
-    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr,
+    FEATURES: tl.constexpr, LINEAR: tl.constexpr, PREC: tl.constexpr, DECAY: tl.constexpr,
 ):
     nb = tl.program_id(0)
     bhk = tl.program_id(1).to(tl.int64)
@@ -453,6 +560,7 @@ def _bwd_kv_kernel(
     dk = tl.zeros([BLOCK, D], tl.float32)
     dv = tl.zeros([BLOCK, D], tl.float32)
     dpk = tl.zeros([BLOCK, F], tl.float32)
+    lam = _load_lam(lam_ptr, hk, DECAY)
     # Queries t >= U see the whole key block through the linear state (suffix from chunk U/BLOCK).
     U = tl.cdiv(n0 + BLOCK - 1 + W, BLOCK) * BLOCK
     for hh in range(0, group):
@@ -497,8 +605,13 @@ def _bwd_kv_kernel(
                 dn = do * lsc[:, None]
                 ok = (tq[None, :] >= tk[:, None] + W) & (q_ok & (tq < U))[None, :]  # t >= U: suffix state
                 A = tl.where(ok, tl.dot(pk, tl.trans(pq), input_precision=PREC), 0.0)
+                if DECAY:
+                    dec = _decayed(lam, tq[None, :] - W - tk[:, None])
+                    A = A * dec
                 dv += tl.dot(A, dn, input_precision=PREC)
                 dA = tl.where(ok, tl.dot(vf, tl.trans(dn), input_precision=PREC) + ldd[None, :], 0.0)
+                if DECAY:
+                    dA = dA * dec
                 dpk += tl.dot(dA, pq, input_precision=PREC)
     dk = dk * sm_scale
     if LINEAR:
@@ -506,8 +619,14 @@ def _bwd_kv_kernel(
         sbase = bhk * NC1 + cu
         g_suf = tl.load(g_ptr + sbase * F * D + f[:, None] * D + d[None, :])
         gz_suf = tl.load(gz_ptr + sbase * F + f)
-        dpk += tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :]
-        dv += tl.dot(pk, g_suf, input_precision=PREC)
+        if DECAY:
+            # The suffix state holds query t at gamma^(t - cu*BLOCK); key j adds gamma^(cu*BLOCK - w - j).
+            ks = _decayed(lam, cu * BLOCK - W - tk)
+            dpk += ks[:, None] * (tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :])
+            dv += ks[:, None] * tl.dot(pk, g_suf, input_precision=PREC)
+        else:
+            dpk += tl.dot(vf, tl.trans(g_suf), input_precision=PREC) + gz_suf[None, :]
+            dv += tl.dot(pk, g_suf, input_precision=PREC)
         # Padded keys never entered the linear part: their feature gradient is zero.
         if FEATURES:
             tl.store(dfk_ptr + b * sdfkb + hk * sdfkh + tk[:, None] * sdfkt + f[None, :],
@@ -543,30 +662,52 @@ def default_block(d: int, f: int) -> int:
     return DEFAULT_BLOCK if max(d, f) <= 64 else 32
 
 
+def _decay_scan(x: Tensor, lam: Tensor, block: int, *, reverse: bool = False, aged: Tensor | None = None) -> None:
+    """``_decay_scan_kernel`` in place over x ``[B*H_kv, NC1, ...]`` (and ``aged``, same shape)."""
+    rows, nc1 = x.shape[:2]
+    e = x[0, 0].numel()
+    block_e = min(1024, triton.next_power_of_2(e))
+    _decay_scan_kernel[(triton.cdiv(e, block_e), rows)](
+        x, aged if aged is not None else x, lam, lam.shape[0], nc1, e, block,
+        REVERSE=reverse, AGED=aged is not None, BLOCK_E=block_e,
+    )
+
+
 def _kv_states(k: Tensor, v: Tensor, phi_k: Tensor | None, km: Tensor, has_mask: bool, block: int,
-               prec: str) -> tuple[Tensor, Tensor]:
+               prec: str, lam: Tensor | None = None, aged: bool = False) -> tuple[Tensor, ...]:
     """Exclusive prefix states over chunks: S[bh, c] = sum over keys < c*block, [B*Hkv, NC+1, F, D];
-    z [B*Hkv, NC+1, F]. phi(k) is elu1 of k, or ``phi_k`` when given."""
+    z [B*Hkv, NC+1, F]. phi(k) is elu1 of k, or ``phi_k`` when given. With a decay (``lam``, log
+    gamma ``[H_kv]``) key j < c*block is weighted gamma^(c*block - 1 - j); ``aged`` then also gives
+    (Sa, z_a), the same sums weighted (c*block - 1 - j) gamma^(c*block - 1 - j)."""
     B, HKV, T, D = k.shape
     feats = phi_k if phi_k is not None else k
     F = feats.shape[-1]
     nc = triton.cdiv(T, block)
+    decay = lam is not None
+    aged = aged and decay
     s = torch.zeros(B * HKV, nc + 1, F, D, device=k.device, dtype=torch.float32)
     z = torch.zeros(B * HKV, nc + 1, F, device=k.device, dtype=torch.float32)
+    sa, za = (torch.zeros_like(s), torch.zeros_like(z)) if aged else (s, z)
     _kv_state_kernel[(nc, B * HKV)](
-        k, v, feats, km, s, z, *_s3(k), *_s3(v), *_s3(feats), km.stride(0), HKV, T, nc + 1,
-        BLOCK=block, D=D, F=F, HAS_MASK=has_mask, FEATURES=phi_k is not None, PREC=prec, **_launch(block, max(D, F)),
+        k, v, feats, km, s, z, lam if decay else z, sa, za, *_s3(k), *_s3(v), *_s3(feats), km.stride(0), HKV, T,
+        nc + 1, BLOCK=block, D=D, F=F, HAS_MASK=has_mask, FEATURES=phi_k is not None, PREC=prec, DECAY=decay,
+        AGED=aged, **_launch(block, max(D, F)),
     )
-    return s.cumsum_(1), z.cumsum_(1)
+    if not decay:
+        return s.cumsum_(1), z.cumsum_(1)
+    _decay_scan(s, lam, block, aged=sa if aged else None)
+    _decay_scan(z, lam, block, aged=za if aged else None)
+    return (s, z, sa, za) if aged else (s, z)
 
 
 class _HybridAttentionTriton(torch.autograd.Function):
     """Inputs q, k, v, the two logits and, for learned maps, the features phi_q ``[B, H, T, F]`` and
-    phi_k ``[B, H_kv, T, F]`` (None for elu1, computed in the kernels, and when ``linear`` is False)."""
+    phi_k ``[B, H_kv, T, F]`` (None for elu1, computed in the kernels, and when ``linear`` is False);
+    ``log_decay`` ``[H_kv]`` (or None) decays the linear state."""
 
     @staticmethod
     def forward(ctx, q, k, v, window_logit, linear_logit, phi_q, phi_k, window, lolcats, linear, key_padding_mask,
-                block):
+                block, log_decay):
         B, H, T, D = q.shape
         HKV = k.shape[1]
         q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
@@ -584,8 +725,10 @@ class _HybridAttentionTriton(torch.autograd.Function):
             a = torch.ones(H, device=q.device, dtype=torch.float32)
             bw = torch.zeros(H, device=q.device, dtype=torch.float32)
         prec = dot_precision(q.dtype)
+        decay = linear and log_decay is not None  # the window formulation has no linear state to decay
+        lam = log_decay.detach().float().contiguous() if decay else a  # a: a placeholder, never read
         if linear:
-            s, z = _kv_states(k, v, phi_k, km, has_mask, block, prec)
+            s, z = _kv_states(k, v, phi_k, km, has_mask, block, prec, lam if decay else None)
         else:
             s = z = q.new_zeros(1, dtype=torch.float32)  # never read
         fq, fk = (phi_q, phi_k) if features else (q, k)  # placeholders when the kernels compute elu1
@@ -595,20 +738,21 @@ class _HybridAttentionTriton(torch.autograd.Function):
         idx = torch.empty(B * H, T, device=q.device, dtype=torch.int32) if lolcats else m
         grid = (triton.cdiv(T, block), B * H)
         _fwd_kernel[grid](
-            q, k, v, fq, fk, o, km, s, z, a, bw, m, l, den, idx,
+            q, k, v, fq, fk, o, km, s, z, a, bw, lam, m, l, den, idx,
             *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(o), km.stride(0),
             H, HKV, T, window, triton.cdiv(T, block) + 1, 1.0 / math.sqrt(D),
             BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
-            PREC=prec, **_launch(block, max(D, F)),
+            PREC=prec, DECAY=decay, **_launch(block, max(D, F)),
         )
-        ctx.save_for_backward(q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx)
-        ctx.cfg = (window, lolcats, linear, has_mask, block, window_logit.dtype, linear_logit.dtype)
+        ctx.save_for_backward(q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx, lam)
+        ctx.cfg = (window, lolcats, linear, has_mask, block, window_logit.dtype, linear_logit.dtype, decay,
+                   None if log_decay is None else log_decay.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx = ctx.saved_tensors
-        window, lolcats, linear, has_mask, block, wl_dtype, ll_dtype = ctx.cfg
+        q, k, v, phi_q, phi_k, o, km, a, bw, m, l, den, idx, lam = ctx.saved_tensors
+        window, lolcats, linear, has_mask, block, wl_dtype, ll_dtype, decay, ld_dtype = ctx.cfg
         B, H, T, D = q.shape
         HKV = k.shape[1]
         features = phi_q is not None
@@ -618,45 +762,54 @@ class _HybridAttentionTriton(torch.autograd.Function):
         scale = 1.0 / math.sqrt(D)
         launch = _launch(block, max(D, F))
         nc1 = triton.cdiv(T, block) + 1
-        if linear:
+        if decay:  # recomputed, with the age-weighted sums d/d log gamma needs
+            s, z, sa, za = _kv_states(k, v, phi_k, km, has_mask, block, prec, lam, aged=True)
+        elif linear:
             s, z = _kv_states(k, v, phi_k, km, has_mask, block, prec)  # recomputed: cheaper than keeping them
         else:
             s = z = q.new_zeros(1, dtype=torch.float32)
+        if not decay:
+            sa, za = s, z  # never read
         fq, fk = (phi_q, phi_k) if features else (q, k)
         dq = torch.empty_like(q)
         dfq = torch.empty_like(phi_q) if features else dq
-        rows = torch.empty(7, B * H, T, device=q.device, dtype=torch.float32)
-        gsc, dt, lsc, ldd, dm, da_row, db_row = rows.unbind(0)
+        rows = torch.empty(8 if decay else 7, B * H, T, device=q.device, dtype=torch.float32)
+        gsc, dt, lsc, ldd, dm, da_row, db_row = rows.unbind(0)[:7]
+        dl_row = rows[7] if decay else db_row  # d/d log gamma per row (a placeholder without a decay)
         _bwd_q_kernel[(triton.cdiv(T, block), B * H)](
             q, k, v, fq, fk, o, do, dq, dfq, km, s, z, a, bw, m, l, den, idx,
-            gsc, dt, lsc, ldd, dm, da_row, db_row,
+            gsc, dt, lsc, ldd, dm, da_row, db_row, lam, sa, za, dl_row,
             *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(o), *_s3(do), *_s3(dq), *_s3(dfq), km.stride(0),
             H, HKV, T, window, nc1, scale,
             BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
-            PREC=prec, **launch,
+            PREC=prec, DECAY=decay, **launch,
         )
-        del s, z
+        del s, z, sa, za
         if linear:
             # Query-side chunk states, then suffix sums: slot c = sum over query chunks >= c.
             g = torch.zeros(B * HKV, nc1, F, D, device=q.device, dtype=torch.float32)
             gz = torch.zeros(B * HKV, nc1, F, device=q.device, dtype=torch.float32)
             _q_state_kernel[(nc1 - 1, B * HKV)](
-                q, fq, do, lsc, ldd, g, gz, *_s3(q), *_s3(fq), *_s3(do), H, HKV, T, nc1,
-                BLOCK=block, D=D, F=F, FEATURES=features, PREC=prec, **launch,
+                q, fq, do, lsc, ldd, g, gz, lam, *_s3(q), *_s3(fq), *_s3(do), H, HKV, T, nc1,
+                BLOCK=block, D=D, F=F, FEATURES=features, PREC=prec, DECAY=decay, **launch,
             )
-            g = g.flip(1).cumsum_(1).flip(1)
-            gz = gz.flip(1).cumsum_(1).flip(1)
+            if decay:
+                _decay_scan(g, lam, block, reverse=True)
+                _decay_scan(gz, lam, block, reverse=True)
+            else:
+                g = g.flip(1).cumsum_(1).flip(1)
+                gz = gz.flip(1).cumsum_(1).flip(1)
         else:
             g = gz = q.new_zeros(1, dtype=torch.float32)  # never read
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         dfk = torch.empty_like(phi_k) if features else dk
         _bwd_kv_kernel[(triton.cdiv(T, block), B * HKV)](
-            q, k, v, fq, fk, do, dk, dv, dfk, km, g, gz, m, l, idx, gsc, dt, lsc, ldd, dm,
+            q, k, v, fq, fk, do, dk, dv, dfk, km, g, gz, m, l, idx, gsc, dt, lsc, ldd, dm, lam,
             *_s3(q), *_s3(k), *_s3(v), *_s3(fq), *_s3(fk), *_s3(do), *_s3(dk), *_s3(dv), *_s3(dfk), km.stride(0),
             H, HKV, T, window, nc1, scale,
             BLOCK=block, D=D, F=F, HAS_MASK=has_mask, LOLCATS=lolcats, FEATURES=features, LINEAR=linear,
-            PREC=prec, **launch,
+            PREC=prec, DECAY=decay, **launch,
         )
         if linear:
             dwl = (da_row.view(B, H, T).sum((0, 2)) * a * (1 - a)).to(wl_dtype)
@@ -666,7 +819,12 @@ class _HybridAttentionTriton(torch.autograd.Function):
             dll = torch.zeros(H, device=q.device, dtype=ll_dtype)
         if not features:
             dfq = dfk = None
-        return dq, dk, dv, dwl, dll, dfq, dfk, None, None, None, None, None
+        dld = None
+        if decay:
+            dld = dl_row.view(B, HKV, H // HKV, T).sum((0, 2, 3)).to(ld_dtype)
+        elif ld_dtype is not None:  # the window formulation does not depend on the decay
+            dld = torch.zeros(HKV, device=q.device, dtype=ld_dtype)
+        return dq, dk, dv, dwl, dll, dfq, dfk, None, None, None, None, None, dld
 
 
 def _features(q: Tensor, k: Tensor, v: Tensor, feature_map: FeatureMap) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -703,6 +861,7 @@ def hybrid_attention_triton(
     key_padding_mask: Tensor | None = None,
     block_size: int | None = None,
     output_final_state: bool = False,
+    log_decay: Tensor | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """Fused hybrid attention (see docs/design.md "ops"): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``
     with ``H % H_kv == 0``; returns ``(o, final_state)``, o ``[B, H, T, D]`` in q's dtype. The
@@ -711,7 +870,9 @@ def hybrid_attention_triton(
     logits and the parameters of a learned ``feature_map`` ("elu1", one callable for q and k, or a
     (query_map, key_map) pair; the maps run in torch, the kernels read their features).
     ``block_size`` (power of two >= 16) is the query/key/chunk block, default 64 (32 when D or the
-    feature width is above 64)."""
+    feature width is above 64). ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a decaying
+    linear state (key j enters query t's linear part at gamma^(t - w - j), as
+    ``hybrid.reference_parts``); differentiable, and the final state holds the decayed sums."""
     lolcats, linear = formulation_flags(formulation)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -732,10 +893,15 @@ def hybrid_attention_triton(
         raise ValueError(f"window must be >= 1, got {window}")
     if key_padding_mask is not None and (key_padding_mask.shape != (B, T) or key_padding_mask.dtype != torch.bool):
         raise ValueError(f"key_padding_mask must be bool [B, T]=[{B}, {T}]")
+    if log_decay is not None and log_decay.shape != (k.shape[1],):
+        raise ValueError(f"log_decay must be [H_kv]=[{k.shape[1]}] (one per KV head), got {tuple(log_decay.shape)}")
     resolve_qk_maps(feature_map)  # rejects unknown names even where the maps go unused
     phi_q = phi_k = None
     if linear and not is_elu1(feature_map) and T > 0:
+        hkv = k.shape[1]
         k, v, phi_q, phi_k = _features(q, k, v, feature_map)
+        if log_decay is not None and k.shape[1] != hkv:  # k/v expanded to the query heads for a per-head map
+            log_decay = log_decay.repeat_interleave(k.shape[1] // hkv)
     F = phi_q.shape[-1] if phi_q is not None else D
     block = block_size or default_block(D, F)
     if block < 16 or block & (block - 1):
@@ -743,11 +909,13 @@ def hybrid_attention_triton(
     if T == 0:
         return q.new_zeros(q.shape), None
     o = _HybridAttentionTriton.apply(
-        q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats, linear, key_padding_mask, block
+        q, k, v, window_logit, linear_logit, phi_q, phi_k, int(window), lolcats, linear, key_padding_mask, block,
+        log_decay,
     )
     if not output_final_state:
         return o, None
     state = prefill_state(
-        k.detach(), v.detach(), window=window, feature_map=feature_map, key_padding_mask=key_padding_mask
+        k.detach(), v.detach(), window=window, feature_map=feature_map, key_padding_mask=key_padding_mask,
+        log_decay=None if log_decay is None else log_decay.detach(),
     )
     return o, state
