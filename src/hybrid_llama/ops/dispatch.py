@@ -101,8 +101,8 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked) compute it; the native and triton kernels do not yet, so ``auto`` takes chunked for it
-    (and says so on CUDA), and ``triton``, ``seed_naive`` and the sparse cache refuse it."""
+    chunked) and the native CPU prefill compute it; the triton kernels do not yet, so ``auto`` takes
+    chunked for it on CUDA (and says so), and ``triton``, ``seed_naive`` and the sparse cache refuse it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -116,16 +116,10 @@ def hybrid_attention(
                              output_final_state=output_final_state)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, **kwargs)
-    if log_decay is not None:
-        if backend == "reference":
-            return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
-        if backend == "auto" and q.is_cuda:
-            _fall_back("", "the triton kernels have no decaying linear state")
-        from .hybrid.chunked import hybrid_attention_chunked
-
-        return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
+    if log_decay is not None and backend == "auto" and q.is_cuda:
+        _fall_back("", "the triton kernels have no decaying linear state")
     if backend == "reference":
-        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
+        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
     if backend == "seed_naive":
         if formulation != "hybrid" or not is_elu1(feature_map) or key_padding_mask is not None:
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
@@ -134,7 +128,7 @@ def hybrid_attention(
         o, _ = hybrid_attention_seed_naive(q, *expand_kv(q, k, v), window_logit, linear_logit, window=window)
         # The decode state stays at the KV heads, as the step reads it.
         return o, prefill_state(k, v, window=window) if output_final_state else None
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
+    if backend == "triton" or (backend == "auto" and q.is_cuda and log_decay is None):
         fn = _triton_or_fallback("prefill", "hybrid_attention_triton", backend, "")
         if fn is not None:
             if backend == "triton":
@@ -143,18 +137,19 @@ def hybrid_attention(
                 return fn(q, k, v, window_logit, linear_logit, **kwargs)
             except NotImplementedError as exc:  # an option the kernel does not cover
                 _fall_back("", f"{exc}")
-    if backend in ("auto", "chunked") and native_prefill.covers(q, k, window, formulation, key_padding_mask):
-        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    if backend in ("auto", "chunked") and native_prefill.covers(q, k, window, formulation, key_padding_mask,
+                                                                log_decay):
+        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask, log_decay)
         done = native_prefill.hybrid_attention_cpu(q, k, v, window_logit, linear_logit, window=window,
                                                 formulation=formulation, feature_map=feature_map,
-                                                output_final_state=output_final_state)
+                                                output_final_state=output_final_state, log_decay=log_decay)
         if done is not None:
             return done
     from .hybrid.chunked import hybrid_attention_chunked
 
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
     # per-head callable feature map).
-    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
 
 
 def _check_decay(log_decay: Tensor | None, cache: SparseCacheConfig, backend: str) -> None:
@@ -270,16 +265,18 @@ def takes_native_step(backend: str, sparse: SparseCacheConfig) -> bool:
 
 def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
                          linear_logit: Tensor, formulation: str, feature_map: FeatureMap,
-                         rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+                         rope: tuple[Tensor, Tensor] | None = None, log_decay: Tensor | None = None) -> Tensor | None:
     """A real token's decode step as one native call on the CPU (``native.step``), updating ``state`` in
     place: out ``[B, H, 1, D]``, or None where it does not apply (then nothing has changed). The
     caller gives ``state`` up (a generation cache) and asks for the ``auto``/``chunked`` backend
     without a sparse cache; :func:`hybrid_attention_step` is that call's general form. ``rope``: the
-    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it)."""
+    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it).
+    ``log_decay``: a decaying linear state's fp32 ``[H_kv]`` log gamma; the prepared call reads it in
+    place, so a caller passes the same tensor every step (the layer keeps one per parameter value)."""
     if (q.is_cpu and state.sparse is None and not torch.is_grad_enabled()
             and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
         return native_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
-                                         *resolve_qk_maps(feature_map), rope)
+                                         *resolve_qk_maps(feature_map), rope, log_decay)
     return None
 
 
@@ -308,9 +305,17 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
-    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch step computes it).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the native step, where it
+    takes an fp32 one, and the torch step compute it).
     """
     cache = sparse or NO_CACHE
+    if inplace and key_valid is None and takes_native_step(backend, cache):
+        # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
+        # model every line here runs cold).
+        out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map,
+                                   log_decay=log_decay)
+        if out is not None:
+            return out, state
     if log_decay is not None:
         _check_backend(backend)
         cache.require_formulation(formulation)
@@ -320,12 +325,6 @@ def hybrid_attention_step(
         return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
                                            formulation=formulation, key_valid=key_valid, inplace=inplace,
                                            log_decay=log_decay)
-    if inplace and key_valid is None and takes_native_step(backend, cache):
-        # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
-        # model every line here runs cold).
-        out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map)
-        if out is not None:
-            return out, state
     if (inplace and key_valid is None and state.sparse is not None and cache.score != "attention"
             and backend in ("auto", "chunked") and q.is_cpu and not torch.is_grad_enabled()):
         # The sparse cache's step in a generation cache: native on the w - 1 of every w steps that close
