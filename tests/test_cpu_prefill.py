@@ -81,6 +81,61 @@ def test_threads_split_the_positions_without_changing_a_number(monkeypatch, nati
     assert_same_state(runs[3][1], runs[1][1], atol=1e-5)
 
 
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 150, 64, 16), (1, 6, 3, 203, 128, 8), (1, 2, 1, 70, 64, 1)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_decaying_state_matches_the_torch_ops(formulation, fmap, shape, threads, monkeypatch, native_calls):
+    """With log_decay the kernel's output and final state (S, z as of the last position) equal the
+    chunked torch ops' and the reference's, in one segment and in three (each starting from the decayed
+    sums before it, segment bounds off the kernel's blocks of 16), for GQA, batch 2 and D = 128."""
+    monkeypatch.setattr(cpu_prefill, "MIN_SEGMENT", 16)
+    B, H, Hk, T, D, w = shape
+    q, k, v, wl, ll, feature = problem(B, H, Hk, T, D, fmap, model_layout=True)
+    log_decay = torch.linspace(-0.01, -0.6, Hk)
+    kw = dict(window=w, formulation=formulation, feature_map=feature, output_final_state=True, log_decay=log_decay)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            got, state = hybrid_attention(q, k, v, wl, ll, backend="auto", **kw)
+    finally:
+        torch.set_num_threads(saved)
+    with torch.no_grad():
+        chunked, chunked_state = hybrid_attention(q, k, v, wl, ll, backend="torch", **kw)
+        want, _ = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)
+        undecayed, _ = hybrid_attention(q, k, v, wl, ll, backend="torch", **dict(kw, log_decay=None))
+    assert native_calls == {"ran": 1, "declined": 0}
+    torch.testing.assert_close(got, chunked, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    if formulation != "window":
+        assert (got - undecayed).abs().max() > 1e-3  # the decay is felt
+    assert_same_state(state, chunked_state)
+
+
+def test_segments_with_a_decay_start_from_the_aged_sums(monkeypatch, native_calls):
+    """One, two and five segments (bounds inside the window's reach of each other and off the blocks)
+    give the same output and state: each segment's starting sums are the previous ones aged by gamma
+    per key that left in between, plus its own keys at their ages."""
+    monkeypatch.setattr(cpu_prefill, "MIN_SEGMENT", 20)
+    q, k, v, wl, ll, feature = problem(1, 4, 2, 111, 64, "hedgehog", seed=7)
+    log_decay = torch.tensor([-0.05, -1.5])  # gamma 0.95 and 0.22
+    runs, saved = {}, torch.get_num_threads()
+    try:
+        for n in (1, 2, 5):
+            torch.set_num_threads(n)
+            assert len(cpu_prefill._segments(111, n)) == n + 1
+            with torch.no_grad():
+                runs[n] = hybrid_attention(q, k, v, wl, ll, window=12, formulation="hybrid", feature_map=feature,
+                                           backend="chunked", output_final_state=True, log_decay=log_decay)
+    finally:
+        torch.set_num_threads(saved)
+    assert native_calls["ran"] == 3
+    for n in (2, 5):
+        torch.testing.assert_close(runs[n][0], runs[1][0], atol=1e-6, rtol=1e-5)
+        assert_same_state(runs[n][1], runs[1][1])
+
+
 def test_decode_continues_the_native_prefill(native_calls):
     """Prefill T tokens natively, then step: the outputs are the naive op's over T + n positions."""
     B, H, Hk, T, n, D, w = 2, 4, 2, 90, 6, 64, 16
@@ -161,7 +216,7 @@ def test_kernel_declines_what_it_cannot_index():
         strided = [None, 0, 0, 0]
         edges = (ctypes.c_longlong * len(bounds))(*bounds)
         return lib.hybrid_prefill_f32(1, 2, 1, T, D, 4, F, 1, map_code, len(bounds) - 1, edges, *strided * 3,
-                                      *[None] * 8, *strided, None, stride)
+                                      *[None] * 9, *strided, None, stride)  # wq .. z: log_decay NULL
 
     assert call(D=48, F=48) == -1  # not a multiple of the tile
     assert call(F=32) == -1  # elu1 keeps the head dim
@@ -197,4 +252,45 @@ def test_model_prefill_and_generation_with_the_kernel(monkeypatch, native_calls)
     torch.testing.assert_close(native_logits, torch_logits, atol=1e-5, rtol=1e-5)
     cached = greedy_decode(model, ids, 10, use_cache=True)
     assert native_calls["ran"] == 4  # the prefill's two hybrid layers
+    assert torch.equal(cached, greedy_decode(model, ids, 10, use_cache=False))
+
+
+def test_a_decaying_model_prefills_and_decodes_natively(monkeypatch, native_calls):
+    """A hybrid model with a decay and 64-wide heads: the prompt takes the native prefill and every
+    generate step the native step, with the decay (logits equal the torch paths', cached greedy
+    generation equals generation without a cache, and a decay changed in place is followed)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybrid_llama.eval.throughput import greedy_decode
+    from hybrid_llama.models import convert_to_hybrid
+    from hybrid_llama.ops.native import step as cpu_step
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, intermediate_size=256, vocab_size=97, max_position_embeddings=512)
+    model = LlamaForCausalLM(config)
+    convert_to_hybrid(model, layers=[0, 1], window=8, formulation="lolcats", feature_map="hedgehog", decay=0.9)
+    model.eval()
+    layers = [block.self_attn for block in model.model.layers]
+    assert all(layer.hybrid.native_steps for layer in layers)
+    steps = count_calls(monkeypatch, cpu_step, "step_in_place")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        native_logits = model(ids).logits
+        with monkeypatch.context() as mp:
+            mp.setenv("HYBRID_LLAMA_NATIVE", "0")
+            torch_logits = model(ids).logits
+        for layer in layers:
+            layer.mixing.decay_logit.fill_(30.0)  # gamma = 1 in fp32: the undecayed model
+        undecayed = model(ids).logits
+    assert native_calls["ran"] == 4  # two forwards' two hybrid layers
+    torch.testing.assert_close(native_logits, torch_logits, atol=1e-5, rtol=1e-5)
+    assert (native_logits - undecayed).abs().max() > 1e-4  # the decay is felt
+
+    with torch.no_grad():
+        for layer in layers:
+            layer.mixing.decay_logit.fill_(-1.0)  # gamma 0.27, changed in place after the last forward
+    cached = greedy_decode(model, ids, 10, use_cache=True)
+    assert native_calls["ran"] == 6  # the prefill's two hybrid layers
+    assert steps == {"ran": 10 * 2, "declined": 0}
     assert torch.equal(cached, greedy_decode(model, ids, 10, use_cache=False))

@@ -12,7 +12,7 @@ from op_inputs import count_calls, trained_maps
 from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, hybrid_attention_step, init_state
 from hybrid_llama.ops.native import build as native
 from hybrid_llama.ops.native import step as cpu_step
-from hybrid_llama.ops.state import prefill_state
+from hybrid_llama.ops.state import HybridState, prefill_state
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"no C compiler here: {native.why_not()}")
 
@@ -61,6 +61,85 @@ def test_native_step_equals_torch_step_and_naive_op(formulation, fmap, B, H, Hk,
     assert torch.equal(native.window_valid, torch_state.window_valid)
     torch.testing.assert_close(native.S, torch_state.S, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(native.z, torch_state.z, atol=1e-5, rtol=1e-5)
+
+
+def decays(Hk: int) -> torch.Tensor:
+    """log gamma per KV head, from a long memory (gamma 0.98) to a short one (0.5)."""
+    return torch.linspace(-0.02, -0.7, Hk)
+
+
+@pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
+@pytest.mark.parametrize("fmap", ["elu1", "hedgehog"])
+@pytest.mark.parametrize("B,H,Hk,D,w", [(2, 4, 2, 8, 6), (1, 9, 3, 64, 16), (1, 3, 3, 16, 1)])
+def test_native_step_with_a_decay_equals_torch_step_and_naive_op(formulation, fmap, B, H, Hk, D, w, native_calls):
+    """A decaying linear state: the kernel scales S and z by gamma before each fold, so its outputs and
+    states equal the torch step's with the same decay, and its outputs the reference op's over the
+    sequence; every step ran natively."""
+    T = 3 * w + 7
+    q, k, v, wl, ll, feature, fdim = problem(B, H, Hk, T, D, fmap)
+    log_decay = decays(Hk)
+    kw = dict(feature_map=feature, formulation=formulation, log_decay=log_decay)
+    with torch.no_grad():
+        got, native = steps(q, k, v, wl, ll, init_state(B, Hk, D, w, feature_dim=fdim), backend="auto", **kw)
+        assert native_calls == {"ran": T, "declined": 0}
+        want, torch_state = steps(q, k, v, wl, ll, init_state(B, Hk, D, w, feature_dim=fdim), backend="torch", **kw)
+        naive, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", **kw)
+        undecayed, _ = hybrid_attention(q, k, v, wl, ll, window=w, backend="reference", feature_map=feature,
+                                        formulation=formulation)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, naive, atol=2e-6, rtol=1e-5)
+    if formulation != "window":
+        assert (got - undecayed).abs().max() > 1e-3  # the decay is felt
+    torch.testing.assert_close(native.S, torch_state.S, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.z, torch_state.z, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native.k_window, torch_state.k_window) and native.seen == torch_state.seen == T
+
+
+def test_native_step_with_a_decay_continues_a_prefill_and_follows_the_decay(native_calls):
+    """From a native prefill's decayed state: the steps equal the reference op over the whole
+    sequence; a decay changed in place is read at the next step (the kernel reads it where it is), a
+    new tensor prepares the call again, and a decay the kernel cannot read (fp64, or one per query
+    head) is declined before anything is written."""
+    B, H, Hk, D, w, T, n = 1, 6, 2, 64, 8, 150, 12
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + n, D, "hedgehog", seed=9)
+    log_decay = decays(Hk)
+    kw = dict(feature_map=feature, formulation="lolcats")
+    with torch.no_grad():
+        _, state = hybrid_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], wl, ll, window=w, backend="auto",
+                                    output_final_state=True, log_decay=log_decay, **kw)
+        first, state = steps(q[:, :, T : T + 4], k[:, :, T : T + 4], v[:, :, T : T + 4], wl, ll, state,
+                             log_decay=log_decay, **kw)
+        naive, _ = hybrid_attention(q[:, :, : T + 4], k[:, :, : T + 4], v[:, :, : T + 4], wl, ll, window=w,
+                                    backend="reference", log_decay=log_decay, **kw)
+        torch.testing.assert_close(first, naive[:, :, T:], atol=2e-6, rtol=1e-5)
+        assert native_calls == {"ran": 4, "declined": 0}
+
+        t = T + 4
+        one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+        held = {name: getattr(state, name).clone() for name in ("k_window", "S", "z")}
+        for wrong in (log_decay.double(), torch.full((H,), -0.1)):
+            assert cpu_step.step_in_place(*one, state, wl, ll, "lolcats", *feature, log_decay=wrong) is None
+        assert state.seen == t and all(torch.equal(getattr(state, name), held[name]) for name in held)
+
+        mirror = copy_state(state)  # the torch step's, fed the same decays
+        changed = log_decay.clone()
+        for t in range(T + 4, T + n):
+            one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            if t == T + 6:
+                changed.mul_(3.0)  # in place: the prepared call reads the new values
+            if t == T + 9:
+                changed = torch.full((Hk,), -0.05)  # a new tensor: the call is prepared again
+            got, state = hybrid_attention_step(*one, state, wl, ll, inplace=True, log_decay=changed, **kw)
+            want, mirror = hybrid_attention_step(*one, mirror, wl, ll, backend="torch", log_decay=changed, **kw)
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5, msg=f"step {t}")
+    assert native_calls == {"ran": n, "declined": 2}
+    torch.testing.assert_close(state.S, mirror.S, atol=1e-5, rtol=1e-5)
+
+
+def copy_state(state: HybridState) -> HybridState:
+    """A copy of a plain state's buffers (the prepared native call stays with the original)."""
+    return HybridState(*(getattr(state, name).clone() for name in ("k_window", "v_window", "window_valid", "S", "z")),
+                       state.seen)
 
 
 @pytest.mark.parametrize("rows_apart", [False, True])

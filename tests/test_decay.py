@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from op_inputs import trained_maps
+from op_inputs import count_calls, trained_maps
 from test_models import assert_cached_generation_equals_uncached, randomize_hybrid_params
 
 from hybrid_llama.models import HybridConfig, convert_to_hybrid, load_hybrid, load_model, save_hybrid
@@ -16,6 +16,8 @@ from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, init_state
 from hybrid_llama.ops.hybrid.chunked import hybrid_attention_chunked
 from hybrid_llama.ops.hybrid.reference import hybrid_attention_reference
 from hybrid_llama.ops.hybrid.step import hybrid_attention_step_torch
+from hybrid_llama.ops.native import build as native_build
+from hybrid_llama.ops.native import step as native_step
 from hybrid_llama.ops.sparse.batched import hybrid_attention_sparse_batched
 from hybrid_llama.ops.sparse.chunked import hybrid_attention_sparse
 from hybrid_llama.ops.sparse.reference import hybrid_attention_sparse_reference
@@ -261,7 +263,7 @@ def test_seed_naive_and_bad_arguments_refuse_a_decay():
 
 
 @pytest.mark.parametrize("sparse", [{}, {"sparse_cache": 4, "sinks": 2}])
-def test_a_decaying_model_generates_saves_and_trains(lively_dir, tmp_path, sparse):
+def test_a_decaying_model_generates_saves_and_trains(lively_dir, tmp_path, monkeypatch, sparse):
     model, tok = load_model(lively_dir, dtype=torch.float32)
     convert_to_hybrid(model, [0, 2], window=4, formulation="lolcats", feature_map="hedgehog", decay=0.9, **sparse)
     randomize_hybrid_params(model)
@@ -270,10 +272,13 @@ def test_a_decaying_model_generates_saves_and_trains(lively_dir, tmp_path, spars
     torch.testing.assert_close(torch.sigmoid(layer.mixing.decay_logit), torch.full((2,), 0.9))
     with torch.no_grad():
         layer.mixing.decay_logit.copy_(torch.tensor([0.5, 3.0]))  # gamma 0.62 and 0.95: the decay matters
-    assert not layer.hybrid.native_steps  # the native step has no decay: the torch step runs
+    assert layer.hybrid.native_steps == (not sparse)  # the native step computes the decay (no cache)
     enc = tok(["the decay keeps the state bounded"], return_tensors="pt")
     model.eval()
+    native = count_calls(monkeypatch, native_step, "step_in_place")
     assert_cached_generation_equals_uncached(model, enc, 20)
+    if native_build.load() is not None and not sparse:
+        assert native["ran"] == 2 * 19 and native["declined"] == 0  # every cached step after the prompt
 
     ids = torch.randint(3, 200, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -40,7 +40,7 @@ def test_the_header_declares_every_entry_point_and_the_constants():
     assert {"hybrid_step_f32", "hybrid_sparse_step_f32", "hybrid_prefill_f32", "hybrid_sparse_group_f32",
             "softmax_decode_f32"} <= names
     step = build.DECLARATIONS["hybrid_step_f32"]
-    assert step.restype == "int" and step.param_names[:3] == ("B", "H", "Hk") and len(step.params) == 28
+    assert step.restype == "int" and step.param_names[:3] == ("B", "H", "Hk") and len(step.params) == 29
     assert build.FORMULATION_CODES == {"hybrid": 0, "lolcats": 1, "window": 2}
     assert (build.MAX_D, build.MAX_F, build.MAX_W, build.TILE) == (256, 1024, 4096, 64)
     # every parameter is one ctypes can pass

@@ -32,6 +32,7 @@ from hybrid_llama.ops import (
     native_step_in_place,
     takes_native_step,
 )
+from hybrid_llama.ops.kept import kept
 
 from .exact_heads import ExactHeads
 from .hybrid_cache import HybridCacheLayer, hybrid_cache_layer
@@ -100,7 +101,7 @@ class HybridConfig:
     @property
     def native_steps(self) -> bool:
         """Whether a generate step may take the native CPU call (``ops.takes_native_step``)."""
-        return takes_native_step(self.backend, self.sparse) and self.decay is None
+        return takes_native_step(self.backend, self.sparse)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridConfig:
@@ -253,10 +254,13 @@ class HybridLlamaAttention(LlamaAttention):
         return mixing.window_logit, mixing.linear_logit
 
     def op_log_decay(self) -> Tensor | None:
-        """log gamma ``[H_kv]`` of a decaying linear state, as the ops take it; None without a decay."""
+        """log gamma ``[H_kv]`` of a decaying linear state, as the ops take it (fp32, whatever the
+        parameter's dtype); None without a decay. Without autograd the same tensor comes back until the
+        parameter changes (``ops.kept``): the native step binds it once per state and reads it in place."""
         if self.hybrid.decay is None:
             return None
-        return F.logsigmoid(self._modules["mixing"].decay_logit)
+        logit = self._modules["mixing"].decay_logit
+        return kept(logit, "_log_decay_fp32", (logit,), lambda: F.logsigmoid(logit.float()))
 
     def forward(
         self,
@@ -341,7 +345,7 @@ class HybridLlamaAttention(LlamaAttention):
         if state is None:
             return None
         out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map(),
-                                   position_embeddings)
+                                   position_embeddings, self.op_log_decay())
         if out is not None:
             slot.set_state(state, 1)
         return out

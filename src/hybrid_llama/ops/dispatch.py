@@ -101,10 +101,10 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked, and the sparse cache's reference, loop and batched paths) and the triton kernels compute
-    it; the native CPU kernels do not yet, so ``auto`` takes triton for it on CUDA (the torch paths
-    where the kernels do not cover the other options, the sparse cache included) and the torch paths
-    elsewhere, and ``seed_naive`` refuses it."""
+    chunked, and the sparse cache's reference, loop and batched paths), the native CPU prefill and
+    step (without a sparse cache) and the triton kernels (without a sparse cache) compute it; the
+    native sparse-cache kernels do not yet, so there a decaying call takes the torch paths, and
+    ``seed_naive`` refuses it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -118,23 +118,8 @@ def hybrid_attention(
                              output_final_state=output_final_state)
     if cache.active:
         return _sparse(q, k, v, window_logit, linear_logit, cache, backend, log_decay=log_decay, **kwargs)
-    if log_decay is not None:
-        if backend == "reference":
-            return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
-        if backend == "triton" or (backend == "auto" and q.is_cuda):
-            fn = _triton_or_fallback("prefill", "hybrid_attention_triton", backend, "")
-            if fn is not None:
-                if backend == "triton":
-                    return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
-                try:
-                    return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
-                except NotImplementedError as exc:  # an option the kernel does not cover
-                    _fall_back("", f"{exc}")
-        from .hybrid.chunked import hybrid_attention_chunked
-
-        return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
     if backend == "reference":
-        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, **kwargs)
+        return hybrid_attention_reference(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
     if backend == "seed_naive":
         if formulation != "hybrid" or not is_elu1(feature_map) or key_padding_mask is not None:
             raise ValueError("backend='seed_naive' supports only formulation='hybrid', feature_map='elu1', no padding")
@@ -147,23 +132,24 @@ def hybrid_attention(
         fn = _triton_or_fallback("prefill", "hybrid_attention_triton", backend, "")
         if fn is not None:
             if backend == "triton":
-                return fn(q, k, v, window_logit, linear_logit, **kwargs)
+                return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
             try:
-                return fn(q, k, v, window_logit, linear_logit, **kwargs)
+                return fn(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
             except NotImplementedError as exc:  # an option the kernel does not cover
                 _fall_back("", f"{exc}")
-    if backend in ("auto", "chunked") and native_prefill.covers(q, k, window, formulation, key_padding_mask):
-        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask)
+    if backend in ("auto", "chunked") and native_prefill.covers(q, k, window, formulation, key_padding_mask,
+                                                                log_decay):
+        check_inputs(q, k, v, window_logit, linear_logit, window, formulation, key_padding_mask, log_decay)
         done = native_prefill.hybrid_attention_cpu(q, k, v, window_logit, linear_logit, window=window,
                                                 formulation=formulation, feature_map=feature_map,
-                                                output_final_state=output_final_state)
+                                                output_final_state=output_final_state, log_decay=log_decay)
         if done is not None:
             return done
     from .hybrid.chunked import hybrid_attention_chunked
 
     # GQA k/v go in as they are: chunked reads the KV heads in place (and expands them itself for a
     # per-head callable feature map).
-    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, **kwargs)
+    return hybrid_attention_chunked(q, k, v, window_logit, linear_logit, log_decay=log_decay, **kwargs)
 
 
 def _check_decay(log_decay: Tensor | None, cache: SparseCacheConfig, backend: str) -> None:
@@ -281,16 +267,18 @@ def takes_native_step(backend: str, sparse: SparseCacheConfig) -> bool:
 
 def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
                          linear_logit: Tensor, formulation: str, feature_map: FeatureMap,
-                         rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+                         rope: tuple[Tensor, Tensor] | None = None, log_decay: Tensor | None = None) -> Tensor | None:
     """A real token's decode step as one native call on the CPU (``native.step``), updating ``state`` in
     place: out ``[B, H, 1, D]``, or None where it does not apply (then nothing has changed). The
     caller gives ``state`` up (a generation cache) and asks for the ``auto``/``chunked`` backend
     without a sparse cache; :func:`hybrid_attention_step` is that call's general form. ``rope``: the
-    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it)."""
+    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it).
+    ``log_decay``: a decaying linear state's fp32 ``[H_kv]`` log gamma; the prepared call reads it in
+    place, so a caller passes the same tensor every step (the layer keeps one per parameter value)."""
     if (q.is_cpu and state.sparse is None and not torch.is_grad_enabled()
             and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
         return native_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
-                                         *resolve_qk_maps(feature_map), rope)
+                                         *resolve_qk_maps(feature_map), rope, log_decay)
     return None
 
 
@@ -319,39 +307,18 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
-    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch and triton steps
-    compute it).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the native step where it takes
+    an fp32 one, the triton step, and the torch steps with and without a sparse cache compute it).
     """
     cache = sparse or NO_CACHE
-    if log_decay is not None:
-        _check_backend(backend)
-        cache.require_formulation(formulation)
-        _check_decay(log_decay, cache, backend)
-        if cache.active or state.sparse is not None:
-            if backend == "triton" or (backend == "auto" and q.is_cuda):
-                _fall_back("_step", "the triton kernels have no sparse cache")
-            return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache,
-                                                feature_map=feature_map, key_valid=key_valid, log_decay=log_decay)
-        if backend == "triton" or (backend == "auto" and q.is_cuda):
-            fn = _triton_or_fallback("decode", "hybrid_attention_step_triton", backend, "_step")
-            if fn is not None:
-                dkw = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid, log_decay=log_decay)
-                if backend == "triton":
-                    return fn(q, k, v, state, window_logit, linear_logit, **dkw)
-                try:
-                    return fn(q, k, v, state, window_logit, linear_logit, **dkw)
-                except NotImplementedError as exc:  # e.g. under autograd: the kernel has no backward
-                    _fall_back("_step", f"{exc}")
-        return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
-                                           formulation=formulation, key_valid=key_valid, inplace=inplace,
-                                           log_decay=log_decay)
     if inplace and key_valid is None and takes_native_step(backend, cache):
         # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
         # model every line here runs cold).
-        out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map)
+        out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map,
+                                   log_decay=log_decay)
         if out is not None:
             return out, state
-    if (inplace and key_valid is None and state.sparse is not None and cache.score != "attention"
+    if (inplace and key_valid is None and state.sparse is not None and cache.score != "attention" and log_decay is None
             and backend in ("auto", "chunked") and q.is_cpu and not torch.is_grad_enabled()):
         # The sparse cache's step in a generation cache: native on the w - 1 of every w steps that close
         # no block (the `attention` score keeps sums the kernel does not update).
@@ -359,9 +326,10 @@ def hybrid_attention_step(
                                                resolve_qk_maps(feature_map)[0], cache)
         if out is not None:
             return out, state
-    kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
+    kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid, log_decay=log_decay)
     _check_backend(backend)
     cache.require_formulation(formulation)
+    _check_decay(log_decay, cache, backend)
     if cache.active or state.sparse is not None:
         if backend == "triton" or (backend == "auto" and q.is_cuda):
             _fall_back("_step", "the triton kernels have no sparse cache")

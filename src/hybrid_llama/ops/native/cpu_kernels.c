@@ -18,6 +18,10 @@
  * one KV head stay in L1), where the chunked torch backend streams block-sized tensors through
  * memory for each of its ~30 ops; and it does only the op's own FLOPs (no masked half-blocks).
  *
+ * hybrid_step_f32 and hybrid_prefill_f32 take a decaying linear state (log_decay, log gamma per KV
+ * head): S and z are scaled by gamma before each fold, as ops/hybrid/step.py does (the prefill applies
+ * a block's powers of gamma at once). NULL: no decay, the arithmetic exactly as without the argument.
+ *
  * softmax_decode_f32: a softmax layer's decode step, one query over its whole KV cache, the keys split
  * into chunks that the threads share (ops/native/softmax_decode.py).
  *
@@ -301,12 +305,14 @@ static inline void rotate(int D, const float *x, const float *cos, const float *
 /* Returns 0, or -1 for arguments the kernel does not cover (the caller then takes the torch step).
  * cos, sin: NULL where q and k arrive rotated; else q and k arrive before RoPE and the kernel applies
  * it (the layer then skips the dozen small torch ops of apply_rotary_pos_emb). Batch row b's position
- * reads cos + b * rope_stride (0: one position for every row). */
+ * reads cos + b * rope_stride (0: one position for every row).
+ * log_decay [Hk]: log gamma of a decaying linear state; a fold then scales the KV head's S and z by
+ * gamma before it adds the leaving key (S <- gamma S + phi(k) v^T). NULL: no decay. */
 int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, int formulation, int map,
                     int threads, const float *q, const float *k, const float *v, float *k_win, float *v_win,
                     unsigned char *valid, float *S, float *z, const float *window_logit, const float *linear_logit,
                     const float *wq, const float *bq, const float *wk, const float *bk, float *out,
-                    const float *cos, const float *sin, long long rope_stride) {
+                    const float *cos, const float *sin, long long rope_stride, const float *log_decay) {
     if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || w > MAX_W || F < 1 || F > MAX_F || threads < 1)
         return -1;
     if (cos != NULL && (sin == NULL || D % 2 || rope_stride < 0))
@@ -337,12 +343,23 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
                 feature_map(map, D, F, K + (size_t)slot * D, wk + (size_t)kh * D * (F / 2), bk + (size_t)kh * (F / 2),
                             phi);
                 const float *vo = V + (size_t)slot * D;
-                for (int f = 0; f < F; f++) {
-                    const float pf = phi[f];
-                    float *row = Sh + (size_t)f * D;
-                    #pragma omp simd
-                    for (int d = 0; d < D; d++) row[d] += pf * vo[d];
-                    zh[f] += pf;
+                if (log_decay == NULL) {
+                    for (int f = 0; f < F; f++) {
+                        const float pf = phi[f];
+                        float *row = Sh + (size_t)f * D;
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) row[d] += pf * vo[d];
+                        zh[f] += pf;
+                    }
+                } else {
+                    const float gamma = expf(log_decay[kh]);
+                    for (int f = 0; f < F; f++) {
+                        const float pf = phi[f];
+                        float *row = Sh + (size_t)f * D;
+                        #pragma omp simd
+                        for (int d = 0; d < D; d++) row[d] = gamma * row[d] + pf * vo[d];
+                        zh[f] = gamma * zh[f] + pf;
+                    }
                 }
             }
             if (cos != NULL) {
@@ -521,6 +538,9 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
  * out are strided: their strides in elements for (batch, head, position) follow each pointer, the
  * last dim contiguous (q, out [B, H, T, D]; k, v [B, Hk, T, D]). wa, wb [H]: the mixing weights
  * (sigmoids of the logits). work: hybrid_prefill_workspace(g, w, D) floats of this call's own.
+ * log_decay [Hk] (NULL: none): log gamma of a decaying linear state. S and z then hold the sums as of
+ * position t0-1 (key j weighted gamma^(t0-1-w-j)) on entry and as of t1-1 on return, and query t
+ * reads key j at gamma^(t-w-j), as hybrid_step_f32 computes them.
  *
  * Positions go in blocks of QB, in three passes that each stream one data set that fits in L1 (the
  * keys, the values, then S): one pass over all three overflowed it. The window's keys are kept
@@ -536,10 +556,12 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
                             const float *k, long long k_b, long long k_h, long long k_t,
                             const float *v, long long v_b, long long v_h, long long v_t,
                             const float *wq, const float *bq, const float *wk, const float *bk,
-                            const float *wa, const float *wb, float *S, float *z,
+                            const float *wa, const float *wb, const float *log_decay, float *S, float *z,
                             float *out, long long o_b, long long o_h, long long o_t, float *work) {
     const int g = H / Hk;
     const int linear = formulation != FORM_WINDOW;
+    const int decays = linear && log_decay != NULL;
+    float pw[QB + 1];  /* gamma^a of the KV head at hand, a = 0 .. QB: every age inside a block */
     const float scale = 1.0f / sqrtf((float)D);
     const int stride = prefill_scores_stride(w);
     const int cols = prefill_key_columns(w);
@@ -561,6 +583,8 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
             const float *wkh = wk + (size_t)kh * D * (F / 2), *bkh = bk + (size_t)kh * (F / 2);
             float *Sh = S + head * (size_t)F * D, *zh = z + head * (size_t)F;
             long long base = t0 - w + 1 > 0 ? t0 - w + 1 : 0, filled = 0;
+            if (decays)
+                for (int a = 0; a <= QB; a++) pw[a] = expf(log_decay[kh] * (float)a);
             for (long long tb = t0; tb < t1; tb += QB) {
                 const int nb = t1 - tb < QB ? (int)(t1 - tb) : QB;
                 const long long first = tb - w + 1 > 0 ? tb - w + 1 : 0, end = tb + nb;  /* keys needed */
@@ -619,7 +643,9 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
                 /* 3. the linear part. The keys leaving the window in this block are tb-w .. tb+nb-1-w;
                  * S stays as it was at the block's start (S0) until they are folded in at its end, and
                  * query t adds the ones before it itself: phi(q) S_t = phi(q) S0 + sum_j (phi(q).phi(k_j)) v_j.
-                 * One rank-nb update per block instead of nb rank-1 updates, each storing all of S. */
+                 * One rank-nb update per block instead of nb rank-1 updates, each storing all of S.
+                 * With a decay S0 (as of tb-1) enters at gamma^(t-tb+1) and key j at gamma^(t-w-j):
+                 * ages below QB, so no power of gamma is ever inverted. */
                 const long long lo = tb - w > 0 ? tb - w : 0, hi = linear ? tb + nb - w : 0;  /* folded keys [lo, hi) */
                 const int folds = hi > lo ? (int)(hi - lo) : 0;
                 for (int j = 0; j < folds; j++)
@@ -658,11 +684,19 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
                         float den = 0.0f;  /* phi(q) . z0 */
                         #pragma omp simd reduction(+ : den)
                         for (int f = 0; f < F; f++) den += pq[f] * zh[f];
+                        if (decays) {
+                            const float s0 = pw[t - tb + 1];
+                            den *= s0;
+                            #pragma omp simd
+                            for (int d = 0; d < D; d++) nm[d] *= s0;
+                        }
                         for (int j = 0; j < before; j++) {  /* the block's keys that left before t */
                             const float *pk = phi_k + (size_t)j * F, *vj = V + (lo + j) * v_t;
                             float c = 0.0f;
                             #pragma omp simd reduction(+ : c)
                             for (int f = 0; f < F; f++) c += pq[f] * pk[f];
+                            if (decays)
+                                c *= pw[t - w - lo - j];
                             den += c;
                             #pragma omp simd
                             for (int d = 0; d < D; d++) nm[d] += c * vj[d];
@@ -676,10 +710,22 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
                         for (int d = 0; d < D; d++) o[d] = (win_weight * acc[d] + bw * nm[d]) * inv;
                     }
                 }
+                const vec16 aged = splat(decays ? pw[nb] : 1.0f);
+                if (decays) {  /* as of the block's end: S0 ages nb positions, key lo+j folds-1-j */
+                    for (int j = 0; j < folds; j++) {
+                        const float a = pw[folds - 1 - j];
+                        float *pk = phi_k + (size_t)j * F;
+                        #pragma omp simd
+                        for (int f = 0; f < F; f++) pk[f] *= a;
+                    }
+                    for (int f = 0; f < F; f++) zh[f] *= pw[nb];
+                }
                 for (int f = 0; f < F; f++) {  /* fold the block's keys: S += phi(K)^T V, z += sum phi(K) */
                     for (int d0 = 0; d0 < D; d0 += TILE) {
                         tile_t row;
                         memcpy(row.x, Sh + (size_t)f * D + d0, sizeof row.x);
+                        if (decays)
+                            for (int i = 0; i < 4; i++) row.x[i] *= aged;
                         for (int j = 0; j < folds; j++) tile_fma(&row, phi_k[(size_t)j * F + f], V + (lo + j) * v_t + d0);
                         tile_store(Sh + (size_t)f * D + d0, &row);
                     }
@@ -698,15 +744,16 @@ static void prefill_segment(int B, int H, int Hk, int D, int w, int F, int formu
  * OpenMP thread (torch's own pool: this library links the libgomp torch has loaded, so the threads
  * that just ran the layer's projections take the segments, instead of spinning beside them). Segment
  * s reads and updates S + s * B*Hk*F*D and z + s * B*Hk*F, which hold on entry the sums over the keys
- * 0 .. bounds[s]-w-1 (the caller computes them), and its own workspace, work + s * work_stride
- * (>= hybrid_prefill_workspace floats). Returns 0, or -1 for arguments it does not cover. */
+ * 0 .. bounds[s]-w-1 (the caller computes them; with log_decay, as of position bounds[s]-1), and its
+ * own workspace, work + s * work_stride (>= hybrid_prefill_workspace floats). Returns 0, or -1 for
+ * arguments it does not cover. */
 int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, int formulation, int map,
                        int segments, const long long *bounds,
                        const float *q, long long q_b, long long q_h, long long q_t,
                        const float *k, long long k_b, long long k_h, long long k_t,
                        const float *v, long long v_b, long long v_h, long long v_t,
                        const float *wq, const float *bq, const float *wk, const float *bk,
-                       const float *wa, const float *wb, float *S, float *z,
+                       const float *wa, const float *wb, const float *log_decay, float *S, float *z,
                        float *out, long long o_b, long long o_h, long long o_t, float *work, long long work_stride) {
     if (B < 1 || Hk < 1 || H % Hk || H / Hk > MAX_G || D < TILE || D > MAX_D || D % TILE || w < 1 || w > MAX_W
         || F < 1 || F > MAX_F || formulation < FORM_HYBRID || formulation > FORM_WINDOW || segments < 1)
@@ -722,7 +769,7 @@ int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, i
     #pragma omp parallel for num_threads(segments) schedule(static, 1)
     for (int s = 0; s < segments; s++)
         prefill_segment(B, H, Hk, D, w, F, formulation, map, bounds[s], bounds[s + 1], q, q_b, q_h, q_t, k, k_b, k_h,
-                        k_t, v, v_b, v_h, v_t, wq, bq, wk, bk, wa, wb, S + s * S_size, z + s * z_size, out, o_b, o_h,
+                        k_t, v, v_b, v_h, v_t, wq, bq, wk, bk, wa, wb, log_decay, S + s * S_size, z + s * z_size, out, o_b, o_h,
                         o_t, work + s * work_stride);
     return 0;
 }

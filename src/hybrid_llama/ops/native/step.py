@@ -7,7 +7,9 @@ rather than its arithmetic. The C kernels do the same step in one call (built an
 ``build``; without them the torch steps run).
 
 Covered: fp32 contiguous CPU tensors, elu1 or Hedgehog (query map per query head, key map per KV
-head), the three formulations, any batch and GQA, while every key in the window is real. The sparse
+head), the three formulations, any batch and GQA, with or without a decaying linear state (an fp32
+``log_decay`` per KV head: the fold scales S and z by gamma first), while every key in the window is
+real. The sparse
 step: the ``sre`` and ``random`` scores, on every step but the one in ``w`` that closes a block
 (eviction and fold run in torch). The caller checks the rest; the torch steps are the references
 they are tested against.
@@ -45,6 +47,8 @@ class _Prepared:
     maps: tuple  # (query map, key map or None)
     params: tuple[Tensor, ...]  # the Hedgehog maps' (weight, bias) as read from their modules
     pointers: tuple[int, ...]  # the logits' and params' data pointers: .to() keeps a tensor's identity
+    log_decay: Tensor | None  # read by the kernel where it is, so by identity and data pointer too
+    decay_pointer: int
     formulation: str
     q_shape: torch.Size
     kv_shape: torch.Size
@@ -83,12 +87,14 @@ def _kernel_maps(phi_q_map, phi_k_map, H: int, Hk: int, D: int, F: int) -> tuple
 
 
 def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor, formulation: str,
-             phi_q_map, phi_k_map, cache: SparseCacheConfig | None) -> _Prepared | None:
+             phi_q_map, phi_k_map, cache: SparseCacheConfig | None,
+             log_decay: Tensor | None = None) -> _Prepared | None:
     """Check everything the kernel will trust (it reads by these sizes) and bind the pointers; None
     where the kernel does not cover the arguments. For the sparse step (``cache`` given, ``phi_k_map``
     None) the state's buffers must have the cache's sizes, and the buffers the step writes are first
     copied into memory of the state's own: a state's tensors may be views shared with the prefill
-    that built it, and the step must not write through them."""
+    that built it, and the step must not write through them. ``log_decay``: fp32 ``[H_kv]`` or None
+    (the sparse step has no decay)."""
     check_step_shapes(q, k, v, state)
     B, H, _, D = q.shape
     Hk, w, F = k.shape[1], state.window, state.S.shape[2]
@@ -100,6 +106,8 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
             or window_logit.shape != (H,) or linear_logit.shape != (H,)):
         return None
     if (state.sparse is None) != (cache is None):
+        return None
+    if log_decay is not None and (cache is not None or log_decay.shape != (Hk,) or not fp32_cpu(log_decay)):
         return None
     if cache is not None:
         sp = state.sparse
@@ -131,24 +139,29 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
     if cache is None:
         wq, bq, wk, bk = (t.data_ptr() for t in params) if params else (None,) * 4
         args, slots = STEP.template(STEP_ARGS, **sizes, **own, formulation=FORMULATION_CODES[formulation],
-                                    wq=wq, bq=bq, wk=wk, bk=bk)
+                                    wq=wq, bq=bq, wk=wk, bk=bk,
+                                    log_decay=None if log_decay is None else log_decay.data_ptr())
     else:
         wq, bq = (t.data_ptr() for t in params) if params else (None,) * 2
         sparse = {name: t.data_ptr() for name, t in zip(_SPARSE_FIELDS, buffers[5:])}
         args, slots = SPARSE_STEP.template(SPARSE_STEP_ARGS, **sizes, **own, **sparse, ns=ns, lam=lam, wq=wq, bq=bq)
     pointers = (window_logit.data_ptr(), linear_logit.data_ptr(), *(t.data_ptr() for t in params))
     # params: the maps' (weight, bias) as _still_valid reads them from the modules' tables
-    return _Prepared(buffers, (window_logit, linear_logit), (phi_q_map, phi_k_map), params, pointers, formulation,
-                     q.shape, k.shape, args, slots)
+    return _Prepared(buffers, (window_logit, linear_logit), (phi_q_map, phi_k_map), params, pointers,
+                     log_decay, 0 if log_decay is None else log_decay.data_ptr(), formulation, q.shape, k.shape,
+                     args, slots)
 
 
-def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map) -> bool:
+def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map,
+                 log_decay) -> bool:
     """Nothing the call was prepared from was replaced, moved or rebound. It runs every token, so it
     compares identities and pointers one by one rather than building tuples of them."""
     b, (wl, ll) = call.buffers, call.logits
     if not (state.k_window is b[0] and state.v_window is b[1] and state.window_valid is b[2] and state.S is b[3]
             and state.z is b[4] and window_logit is wl and linear_logit is ll and formulation == call.formulation
-            and phi_q_map is call.maps[0] and phi_k_map is call.maps[1]):
+            and phi_q_map is call.maps[0] and phi_k_map is call.maps[1] and log_decay is call.log_decay):
+        return False
+    if log_decay is not None and log_decay.data_ptr() != call.decay_pointer:
         return False
     sparse = state.sparse
     if (sparse is None) != (len(b) == 5) or (sparse is not None and not all(
@@ -173,16 +186,18 @@ def _still_valid(call: _Prepared, state, window_logit, linear_logit, formulation
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor, formulation: str,
-          phi_q_map, phi_k_map, cache: SparseCacheConfig | None,
-          key: str) -> tuple[_Prepared, Tensor, Tensor, Tensor] | None:
+          phi_q_map, phi_k_map, cache: SparseCacheConfig | None, key: str,
+          log_decay: Tensor | None = None) -> tuple[_Prepared, Tensor, Tensor, Tensor] | None:
     """The state's prepared call (held on the state under ``key``) and the token's q, k, v, or None."""
     call = held(state, key)
-    if call is None or not _still_valid(call, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map):
+    if call is None or not _still_valid(call, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map,
+                                        log_decay):
         # HYBRID_LLAMA_NATIVE is read here, when a state's call is prepared (reading the environment
         # costs more than the rest of a step's checks): a state keeps the path its first step took.
         if not build.enabled() or build.load() is None:
             return None
-        call = _prepare(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, cache)
+        call = _prepare(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, cache,
+                        log_decay)
         if call is None:
             return None
         hold(state, key, call)
@@ -207,15 +222,21 @@ def _rope_pointers(rope: tuple[Tensor, Tensor], B: int, D: int) -> tuple[int, in
 
 
 def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor,
-                  formulation: str, phi_q_map, phi_k_map, rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
+                  formulation: str, phi_q_map, phi_k_map, rope: tuple[Tensor, Tensor] | None = None,
+                  log_decay: Tensor | None = None) -> Tensor | None:
     """Run the step natively, updating ``state`` in place; None when the kernel does not cover these
     arguments (the caller then runs the torch step). The caller guarantees: no autograd, the new key
     real, every key in the window real.
 
+    ``log_decay``: a decaying linear state's log gamma, fp32 contiguous ``[H_kv]`` (else declined), or
+    None. The kernel reads it where it is at every step: pass the same tensor from step to step (a
+    new one prepares the call again), its values may change in place.
+
     ``rope``: the token's ``(cos, sin)`` as transformers' Llama rotary embedding gives them; q and k then
     arrive before RoPE and the kernel rotates them (the ring keeps the rotated key). None: q and k are
     rotated already. Where this returns None, q and k are as they came (still to be rotated)."""
-    bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, None, "native_step")
+    bound = _call(q, k, v, state, window_logit, linear_logit, formulation, phi_q_map, phi_k_map, None, "native_step",
+                  log_decay)
     if bound is None:
         return None
     call, q, k, v = bound
