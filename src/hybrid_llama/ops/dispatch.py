@@ -101,9 +101,9 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked, and the sparse cache's reference, loop and batched paths) compute it; the native and
-    triton kernels do not yet, so ``auto`` takes the torch paths for it (and says so on CUDA), and
-    ``triton`` and ``seed_naive`` refuse it."""
+    chunked, and the sparse cache's reference, loop and batched paths) and the native sparse-cache
+    kernels compute it; the other native kernels and triton do not yet, so ``auto`` takes the torch
+    paths for it there (and says so on CUDA), and ``triton`` and ``seed_naive`` refuse it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -250,12 +250,11 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
         return o, None
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         _fall_back("", "the triton kernels have no sparse cache")
-    # (the native kernels have no decay: a decaying state takes the torch paths)
-    if (backend in ("auto", "chunked") and not kwargs.get("return_shares") and log_decay is None
+    if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
             and native_sparse_prefill.covers(q, cache, kwargs["key_padding_mask"])):
         done = native_sparse_prefill.hybrid_attention_sparse_cpu(
             q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
-            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"])
+            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
         if done is not None:
             return done
     if sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
@@ -286,6 +285,19 @@ def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, wi
     return None
 
 
+def _native_sparse_step(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
+                        linear_logit: Tensor, feature_map: FeatureMap, cache: SparseCacheConfig, backend: str,
+                        given_up: bool, log_decay: Tensor | None = None) -> Tensor | None:
+    """The sparse cache's step in a generation cache (``given_up``: in place, the new key real), native
+    on the w - 1 of every w steps that close no block (the ``attention`` score keeps sums the kernel
+    does not update); None where it does not run (then the state is as it was)."""
+    if (given_up and state.sparse is not None and cache.score != "attention" and backend in ("auto", "chunked")
+            and q.is_cpu and not torch.is_grad_enabled()):
+        return native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
+                                                resolve_qk_maps(feature_map)[0], cache, log_decay)
+    return None
+
+
 def hybrid_attention_step(
     q: Tensor,
     k: Tensor,
@@ -311,7 +323,8 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
-    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch step computes it).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the torch step computes it, and
+    with the sparse cache the native sparse step too).
     """
     cache = sparse or NO_CACHE
     if log_decay is not None:
@@ -321,6 +334,10 @@ def hybrid_attention_step(
         if backend == "auto" and q.is_cuda:
             _fall_back("_step", "the triton kernels have no decaying linear state")
         if cache.active or state.sparse is not None:
+            out = _native_sparse_step(q, k, v, state, window_logit, linear_logit, feature_map, cache, backend,
+                                      inplace and key_valid is None, log_decay)
+            if out is not None:
+                return out, state
             return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache,
                                                 feature_map=feature_map, key_valid=key_valid, log_decay=log_decay)
         return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
@@ -332,12 +349,8 @@ def hybrid_attention_step(
         out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map)
         if out is not None:
             return out, state
-    if (inplace and key_valid is None and state.sparse is not None and cache.score != "attention"
-            and backend in ("auto", "chunked") and q.is_cpu and not torch.is_grad_enabled()):
-        # The sparse cache's step in a generation cache: native on the w - 1 of every w steps that close
-        # no block (the `attention` score keeps sums the kernel does not update).
-        out = native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
-                                               resolve_qk_maps(feature_map)[0], cache)
+    if inplace and key_valid is None and state.sparse is not None:
+        out = _native_sparse_step(q, k, v, state, window_logit, linear_logit, feature_map, cache, backend, True)
         if out is not None:
             return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid)
