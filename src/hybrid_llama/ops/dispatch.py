@@ -101,10 +101,9 @@ def hybrid_attention(
 
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
-    chunked, and the sparse cache's reference, loop and batched paths), the native CPU prefill and
-    step (without a sparse cache) and the triton kernels (without a sparse cache) compute it; the
-    native sparse-cache kernels do not yet, so there a decaying call takes the torch paths, and
-    ``seed_naive`` refuses it."""
+    chunked, and the sparse cache's reference, loop and batched paths), the native CPU kernels (with
+    and without the sparse cache) and the triton kernels (without a sparse cache, which triton has
+    no kernel for) compute it; ``seed_naive`` refuses it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -244,12 +243,11 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
         return o, None
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         _fall_back("", "the triton kernels have no sparse cache")
-    # (the native kernels have no decay: a decaying state takes the torch paths)
-    if (backend in ("auto", "chunked") and not kwargs.get("return_shares") and log_decay is None
+    if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
             and native_sparse_prefill.covers(q, cache, kwargs["key_padding_mask"])):
         done = native_sparse_prefill.hybrid_attention_sparse_cpu(
             q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
-            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"])
+            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
         if done is not None:
             return done
     if sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
@@ -282,6 +280,19 @@ def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, wi
     return None
 
 
+def _native_sparse_step(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
+                        linear_logit: Tensor, feature_map: FeatureMap, cache: SparseCacheConfig, backend: str,
+                        given_up: bool, log_decay: Tensor | None = None) -> Tensor | None:
+    """The sparse cache's step in a generation cache (``given_up``: in place, the new key real), native
+    on the w - 1 of every w steps that close no block (the ``attention`` score keeps sums the kernel
+    does not update); None where it does not run (then the state is as it was)."""
+    if (given_up and state.sparse is not None and cache.score != "attention" and backend in ("auto", "chunked")
+            and q.is_cpu and not torch.is_grad_enabled()):
+        return native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
+                                                resolve_qk_maps(feature_map)[0], cache, log_decay)
+    return None
+
+
 def hybrid_attention_step(
     q: Tensor,
     k: Tensor,
@@ -307,8 +318,8 @@ def hybrid_attention_step(
     gives ``state`` up (a generation cache), so the step may update its buffers in place; on the CPU
     ``auto`` and ``chunked`` then run it as one native call where ``native.step`` covers the arguments.
     ``sparse``: the sparse cache's settings, as for ``hybrid_attention`` (the state's buffers have its sizes).
-    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the native step where it takes
-    an fp32 one, the triton step, and the torch steps with and without a sparse cache compute it).
+    ``log_decay``: a decaying linear state, as for ``hybrid_attention`` (the native steps where they
+    take an fp32 one, the triton step, and the torch steps with and without a sparse cache compute it).
     """
     cache = sparse or NO_CACHE
     if inplace and key_valid is None and takes_native_step(backend, cache):
@@ -318,12 +329,9 @@ def hybrid_attention_step(
                                    log_decay=log_decay)
         if out is not None:
             return out, state
-    if (inplace and key_valid is None and state.sparse is not None and cache.score != "attention" and log_decay is None
-            and backend in ("auto", "chunked") and q.is_cpu and not torch.is_grad_enabled()):
-        # The sparse cache's step in a generation cache: native on the w - 1 of every w steps that close
-        # no block (the `attention` score keeps sums the kernel does not update).
-        out = native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
-                                               resolve_qk_maps(feature_map)[0], cache)
+    if inplace and key_valid is None and state.sparse is not None:
+        out = _native_sparse_step(q, k, v, state, window_logit, linear_logit, feature_map, cache, backend, True,
+                                  log_decay)
         if out is not None:
             return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid, log_decay=log_decay)

@@ -432,13 +432,17 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
  * skipped) and the linear state under lolcats' shared normalizer. Layouts as hybrid_step_f32, plus
  * sink_k, sink_v [B, Hk, ns, D], sink_valid [B, ns]; pend_k, pend_v [B, Hk, w, D], pend_valid [B, w];
  * cache_k, cache_v [B, Hk, lam, D], cache_valid [B, Hk, lam] (bytes). Only the query's feature map
- * is needed here: keys enter S and z when a block closes. Returns -1, touching nothing, for a step
- * that closes a block or arguments it does not cover. */
+ * is needed here: keys enter S and z when a block closes. log_decay [Hk] (NULL: none), log gamma of a
+ * decaying linear state: S and z are kept as of the last position consumed, so the step first
+ * multiplies them by gamma in place (as the torch step's S <- gamma S), then reads them; without it
+ * they are only read. Returns -1, touching nothing, for a step that closes a block or arguments it
+ * does not cover. */
 int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, int lam, long long seen, int map,
                            const float *q, const float *k, const float *v, float *k_win, float *v_win,
-                           unsigned char *win_valid, const float *S, const float *z, float *sink_k, float *sink_v,
-                           unsigned char *sink_valid, float *pend_k, float *pend_v, unsigned char *pend_valid,
-                           const float *cache_k, const float *cache_v, const unsigned char *cache_valid,
+                           unsigned char *win_valid, float *S, float *z, const float *log_decay, float *sink_k,
+                           float *sink_v, unsigned char *sink_valid, float *pend_k, float *pend_v,
+                           unsigned char *pend_valid, const float *cache_k, const float *cache_v,
+                           const unsigned char *cache_valid,
                            const float *window_logit, const float *linear_logit, const float *wq, const float *bq,
                            float *out) {
     if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || F < 1 || F > MAX_F || ns < 0 || lam < 0
@@ -489,7 +493,13 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
             const unsigned char *seg_ok[4] = {ring_ok, sink_valid + (size_t)bi * ns, cache_valid + head * lam,
                                               pend_valid + (size_t)bi * w};
             const int seg_n[4] = {w, ns, lam, w};
-            const float *Sh = S + head * F * D, *zh = z + head * F;
+            float *Sh = S + head * F * D, *zh = z + head * F;
+            if (log_decay) {  /* the sums age one position, before any query head reads them */
+                const float gamma = expf(log_decay[kh]);
+                #pragma omp simd
+                for (int i = 0; i < F * D; i++) Sh[i] *= gamma;
+                for (int f = 0; f < F; f++) zh[f] *= gamma;
+            }
             for (int j = 0; j < g; j++) {
                 const int h = kh * g + j;
                 const float *qh = q + ((size_t)bi * H + h) * D;
@@ -790,7 +800,9 @@ int hybrid_prefill_f32(int B, int H, int Hk, long long T, int D, int w, int F, i
  * [B, H, T, D] and k, v [B, Hk, T, D] strided as in hybrid_prefill_f32; cache_k, cache_v
  * [B, Hk, lam, D] and cache_ok [B, Hk, lam] (bytes) contiguous; S [B, Hk, F, D], z [B, Hk, F]; wa, wb
  * [H] mixing weights; Hedgehog query maps wq [H, D, F/2], bq [H, F/2]. work:
- * hybrid_sparse_group_workspace(...) floats. */
+ * hybrid_sparse_group_workspace(...) floats. log_decay [Hk] (NULL: none): a decaying linear state,
+ * whose S and z the caller keeps as of the group's first position t0; query t reads them at
+ * gamma^(t - t0) (its linear weight wb scaled by that, numerator and denominator alike). */
 /* Columns of a group's key set: the sinks, the cache and a range of at most 2w + ns positions (group 0's
  * range starts at 0), whole 16-key chunks. */
 static inline int sparse_group_columns(int w, int ns, int lam) { return (2 * ns + lam + 2 * w + 15) / 16 * 16 + 16; }
@@ -824,8 +836,8 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
                             const float *k, long long k_b, long long k_h, long long k_t,
                             const float *v, long long v_b, long long v_h, long long v_t,
                             const float *cache_k, const float *cache_v, const unsigned char *cache_ok,
-                            const float *S, const float *z, const float *wa, const float *wb,
-                            const float *wq, const float *bq,
+                            const float *S, const float *z, const float *log_decay, const float *wa,
+                            const float *wb, const float *wq, const float *bq,
                             float *out, long long o_b, long long o_h, long long o_t, float *work) {
     if (B < 1 || Hk < 1 || H % Hk || H / Hk > MAX_G || D < TILE || D > MAX_D || D % TILE || w < 1 || F < 1
         || F > MAX_F || ns < 0 || lam < 0 || threads < 1 || t0 < 0 || t1 > T || t0 >= t1 || range_lo < 0
@@ -950,15 +962,18 @@ int hybrid_sparse_group_f32(int B, int H, int Hk, int D, int F, int w, int ns, i
                     rows_times_all(g, F, phis, Sh + c, D, 1.0f, nums);
                 }
             }
+            /* the sums as of t0, aged to t: gamma^(t - t0) on the linear part */
+            const float age = folded && log_decay ? expf(log_decay[kh] * (float)(t - t0)) : 1.0f;
             for (int j = 0; j < g; j++) {
                 const int h = kh * g + j;
                 float *o = out + bi * o_b + h * o_h + t * o_t;
                 const float *nj = num + (size_t)j * D;
-                const float total = wa[h] * sums[j] + (folded ? wb[h] * dens[j] : 0.0f);
+                const float lin = log_decay ? wb[h] * age : wb[h];
+                const float total = wa[h] * sums[j] + (folded ? lin * dens[j] : 0.0f);
                 const float inv = total > 0.0f ? 1.0f / total : 0.0f;
                 if (folded) {
                     #pragma omp simd
-                    for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + wb[h] * nj[d]) * inv;
+                    for (int d = 0; d < D; d++) o[d] = (wa[h] * accs[j][d] + lin * nj[d]) * inv;
                 } else {
                     #pragma omp simd
                     for (int d = 0; d < D; d++) o[d] = wa[h] * accs[j][d] * inv;
@@ -1099,7 +1114,10 @@ int softmax_decode_f32(int B, int H, int Hk, int D, long long L, long long chunk
  * cached keys and the w keys of the block at [block, block + w) compete; each valid candidate scores
  * ||v - phi(k) S / (phi(k) . z + SRE_EPS)||; the lam best stay (ties: the earlier candidate), in
  * position order with empty slots last, and the other valid ones fold into S [F, D] and z [F].
- * cache_k/v [B, Hk, lam, D], cache_pos/ok [B, Hk, lam], S, z are updated in place. */
+ * cache_k/v [B, Hk, lam, D], cache_pos/ok [B, Hk, lam], S, z are updated in place. log_decay [Hk]
+ * (NULL: none): a decaying linear state, whose S and z the caller has aged to the close's position
+ * c = block + 2w - 1 (the block's last key leaves the window there); a loser at position p folds at
+ * gamma^(c - w - p), its age since it left the window (ops/sparse/eviction.fold_weights). */
 enum { CLOSE_MAX_N = 2 * MAX_W };
 static const float SRE_EPS = 1e-6f;
 
@@ -1180,7 +1198,8 @@ int hybrid_sparse_close_f32(int B, int Hk, int D, int F, int w, int lam, int map
                             const float *k, long long k_b, long long k_h, long long k_t,
                             const float *v, long long v_b, long long v_h, long long v_t,
                             float *cache_k, float *cache_v, long long *cache_pos, unsigned char *cache_ok,
-                            float *S, float *z, const float *wk, const float *bk, float *work) {
+                            float *S, float *z, const float *log_decay, const float *wk, const float *bk,
+                            float *work) {
     if (B < 1 || Hk < 1 || D < TILE || D > MAX_D || D % TILE || F < 1 || F > MAX_F || w < 1 || lam < 0 || block < 0
         || threads < 1 || lam + w > CLOSE_MAX_N)
         return -1;
@@ -1251,8 +1270,10 @@ int hybrid_sparse_close_f32(int B, int Hk, int D, int F, int w, int lam, int map
                 if (h.rank[r].pos == LONG_MAX_POS) continue;
                 const int j = h.rank[r].index;
                 const float *vr = candidate_value(&args, &h, j), *pj = h.phi + (size_t)j * F;
+                /* its age at the close: c - w - p = block + w - 1 - p >= 0 for every valid candidate */
+                const float weight = log_decay ? expf(log_decay[h.kh] * (float)(block + w - 1 - h.rank[r].pos)) : 1.0f;
                 for (int f = f0; f < f1; f++) {
-                    const float p = pj[f];
+                    const float p = log_decay ? pj[f] * weight : pj[f];
                     float *row = h.S + (size_t)f * D;
                     h.z[f] += p;
                     #pragma omp simd

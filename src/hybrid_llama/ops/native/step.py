@@ -9,8 +9,9 @@ rather than its arithmetic. The C kernels do the same step in one call (built an
 Covered: fp32 contiguous CPU tensors, elu1 or Hedgehog (query map per query head, key map per KV
 head), the three formulations, any batch and GQA, with or without a decaying linear state (an fp32
 ``log_decay`` per KV head: the fold scales S and z by gamma first), while every key in the window is
-real. The sparse
-step: the ``sre`` and ``random`` scores, on every step but the one in ``w`` that closes a block
+real. The sparse step: the ``sre`` and ``random`` scores, with or without a decaying linear state
+(the kernel ages ``S, z`` by gamma in place, then reads them), on every step but the one in ``w``
+that closes a block
 (eviction and fold run in torch). The caller checks the rest; the torch steps are the references
 they are tested against.
 """
@@ -33,7 +34,7 @@ from .build import FORMULATION_CODES, MAP_CODES, MAX_D, MAX_F, MAX_W
 STEP, SPARSE_STEP = Kernel("hybrid_step_f32"), Kernel("hybrid_sparse_step_f32")
 # What changes from one step to the next; the rest is bound when a state's call is prepared.
 STEP_ARGS = ("seen", "threads", "q", "k", "v", "out", "cos", "sin", "rope_stride")
-SPARSE_STEP_ARGS = ("seen", "q", "k", "v", "out")
+SPARSE_STEP_ARGS = ("seen", "q", "k", "v", "out", "log_decay")
 
 
 @dataclass
@@ -57,7 +58,8 @@ class _Prepared:
 
 
 _STATE_FIELDS = ("k_window", "v_window", "window_valid", "S", "z")
-# The sparse step writes the ring, the sinks and the pending block; it reads the cache and S, z.
+# The sparse step writes the ring, the sinks and the pending block, and with a decay S, z (aged in
+# place); it reads the cache.
 _SPARSE_FIELDS = ("sink_k", "sink_v", "sink_valid", "pend_k", "pend_v", "pend_valid", "cache_k", "cache_v",
                   "cache_valid")
 
@@ -123,7 +125,7 @@ def _prepare(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linea
             or state.z.shape != (B, Hk, F) or state.window_valid.shape != (B, w)):
         return None
     if state.sparse is not None:
-        for name in _STATE_FIELDS[:3]:
+        for name in _STATE_FIELDS:  # S, z too: a decaying step ages them in place
             setattr(state, name, getattr(state, name).clone(memory_format=torch.contiguous_format))
         for name in _SPARSE_FIELDS[:6]:
             setattr(sp, name, getattr(sp, name).clone(memory_format=torch.contiguous_format))
@@ -252,16 +254,23 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
 
 
 def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor,
-                         phi_q_map, cache: SparseCacheConfig) -> Tensor | None:
+                         phi_q_map, cache: SparseCacheConfig, log_decay: Tensor | None = None) -> Tensor | None:
     """The sparse cache's step natively (``hybrid_sparse_step_f32``), updating ``state`` in place; None
     on the step that closes a block (once every ``w`` steps: eviction and fold stay in torch) or where
     the kernel does not cover the arguments: the caller then runs the torch step
     (``ops.sparse.step``), the reference this is tested against. The caller guarantees: no autograd,
-    the new key real, a score that keeps no attention sums (``sre``, ``random``)."""
+    the new key real, a score that keeps no attention sums (``sre``, ``random``). ``log_decay``
+    ``[H_kv]``: log gamma of a decaying linear state (the state's S, z age by gamma first, as in
+    the torch step); where this returns None, the state holds the values it had."""
     w, ns = state.window, cache.sinks
     leaving = state.seen - w
     if leaving >= ns and (leaving - ns) % w == w - 1:
         return None
+    decay = None
+    if log_decay is not None:
+        if log_decay.shape != (k.shape[1],) or not log_decay.is_cpu:
+            return None
+        decay = log_decay.float().contiguous()
     bound = _call(q, k, v, state, window_logit, linear_logit, "lolcats", phi_q_map, None, cache,
                   "native_sparse_step")
     if bound is None:
@@ -269,7 +278,8 @@ def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: T
     call, q, k, v = bound
     out = torch.empty_like(q)
     if build.load().hybrid_sparse_step_f32(*fill(call.args, call.slots, state.seen, q.data_ptr(), k.data_ptr(),
-                                                 v.data_ptr(), out.data_ptr())) != 0:
+                                                 v.data_ptr(), out.data_ptr(),
+                                                 None if decay is None else decay.data_ptr())) != 0:
         return None
     state.seen += 1
     return out
