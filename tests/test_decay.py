@@ -33,8 +33,10 @@ def inputs(T: int, seed: int = 0):
     return q, k, v, torch.randn(H, generator=g), torch.randn(H, generator=g)
 
 
-def naive_loop(q, k, v, wl, ll, phi_q, phi_k, log_decay, formulation, real=None):
-    """Query by query and key by key, straight from the definition (no masks, no ops module)."""
+def naive_loop(q, k, v, wl, ll, phi_q, phi_k, log_decay, formulation, real=None, linear_from=lambda j: j + W):
+    """Query by query and key by key, straight from the definition (no masks, no ops module). Key j
+    is exact for the queries before ``linear_from(j)`` (without a cache: until it leaves the window)
+    and linear from there on, at gamma^(t - w - j)."""
     T, g = q.shape[2], H // HK
     fq, fk = phi_q(q), phi_k(k)
     out = torch.zeros_like(q)
@@ -43,13 +45,13 @@ def naive_loop(q, k, v, wl, ll, phi_q, phi_k, log_decay, formulation, real=None)
             kh = h // g
             a, bb = torch.sigmoid(wl[h]), torch.sigmoid(ll[h])
             for t in range(T):
-                win = [j for j in range(max(0, t - W + 1), t + 1) if real is None or real[b, j]]
-                lin = [j for j in range(0, t - W + 1) if real is None or real[b, j]]
-                s = torch.stack([q[b, h, t] @ k[b, kh, j] / math.sqrt(D) for j in win]) if win else None
+                lin = [j for j in range(t + 1) if t >= linear_from(j) and (real is None or real[b, j])]
+                exact = [j for j in range(t + 1) if t < linear_from(j) and (real is None or real[b, j])]
+                s = torch.stack([q[b, h, t] @ k[b, kh, j] / math.sqrt(D) for j in exact]) if exact else None
                 num, den = torch.zeros(D), torch.zeros(())
                 if s is not None:
                     e = torch.exp(s - s.max())
-                    avg = sum(e[i] * v[b, kh, j] for i, j in enumerate(win)) / e.sum()
+                    avg = sum(e[i] * v[b, kh, j] for i, j in enumerate(exact)) / e.sum()
                     weight = a * e.sum() if formulation == "lolcats" else a
                     num, den = weight * avg, weight
                 for j in lin:
@@ -158,38 +160,14 @@ def test_the_decay_learns_through_the_chunked_form():
         assert abs(float(grads["reference"][h]) - fd) < 1e-3 * max(1.0, abs(fd)), (h, grads["reference"][h], fd)
 
 
-def naive_blocks_fold(q, k, v, wl, ll, phi_q, phi_k, log_decay):
-    """The sparse cache with no cache slots and no sinks, from its definition: the keys of block J
-    (positions J w .. J w + w - 1) stay exact until the block closes at (J + 2) w - 1, then every one
-    of them is linear at gamma^(t - w - p). Written query by query, independent of the ops."""
-    T, g = q.shape[2], H // HK
-    fq, fk = phi_q(q), phi_k(k)
-    out = torch.zeros_like(q)
-    for b in range(B):
-        for h in range(H):
-            kh = h // g
-            a, bb = torch.sigmoid(wl[h]), torch.sigmoid(ll[h])
-            for t in range(T):
-                linear = [p for p in range(t + 1) if (p // W + 2) * W - 1 <= t]
-                exact = [p for p in range(t + 1) if p not in linear]
-                s = torch.stack([q[b, h, t] @ k[b, kh, p] / math.sqrt(D) for p in exact])
-                e = torch.exp(s - s.max())
-                num = a * sum(e[i] * v[b, kh, p] for i, p in enumerate(exact))
-                den = a * e.sum()
-                for p in linear:
-                    kern = bb * (fq[b, h, t] @ fk[b, kh, p]) * math.exp(float(log_decay[kh]) * (t - W - p))
-                    num, den = num + kern * v[b, kh, p], den + kern
-                out[b, h, t] = num / den
-    return out
-
-
 def test_the_sparse_cache_keeps_the_definition():
-    """With no slots every closed block folds whole: each path equals the definition."""
+    """With no slots every closed block folds whole: the keys of block J (positions J w .. J w + w - 1)
+    stay exact until it closes at (J + 2) w - 1, then they are linear. Each path equals the definition."""
     q, k, v, wl, ll = inputs(40, seed=4)
     maps = trained_maps(H, HK, D)
     cache = SparseCacheConfig(0, 0, "random")
     with torch.no_grad():
-        want = naive_blocks_fold(q, k, v, wl, ll, *maps, LOG_DECAY)
+        want = naive_loop(q, k, v, wl, ll, *maps, LOG_DECAY, "lolcats", linear_from=lambda p: (p // W + 2) * W - 1)
         kw = dict(window=W, cache=cache, feature_map=maps, log_decay=LOG_DECAY)
         for name, o in (("reference", hybrid_attention_sparse_reference(q, k, v, wl, ll, **kw)[0]),
                         ("loop", hybrid_attention_sparse(q, k, v, wl, ll, **kw)[0]),

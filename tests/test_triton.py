@@ -211,9 +211,33 @@ def make_feature_map(kind, H, HKV, D, feature_dim, seed=0):
     return "elu1"
 
 
+def assert_same_gradients(out, ref, inputs, names, seed):
+    """The gradients of ``out`` and ``ref`` with respect to ``inputs`` under one random upstream
+    gradient agree (finite, and parameter gradients, which sum over positions, relative to their
+    scale); returns ``out``'s."""
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
+    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
+    for name, got, want in zip(names, grads, ref_grads):
+        assert torch.isfinite(got).all(), name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m, name=name: f"{name}: {m}")
+    return grads
+
+
 def map_params(fmap):
     maps = fmap if isinstance(fmap, tuple) else (fmap,) if isinstance(fmap, torch.nn.Module) else ()
     return [p for m in maps for p in m.parameters()]
+
+
+def random_padding(B: int, T: int, mask_p: float | None, seed: int):
+    """A key padding mask with each key padded at probability ``mask_p`` and row 0's first keys
+    padded (None without ``mask_p``)."""
+    if mask_p is None:
+        return None
+    mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
+    mask[0, : min(T, 3)] = False
+    return mask.to(DEV)
 
 
 def check_features_op(
@@ -223,26 +247,15 @@ def check_features_op(
     same maps: output and the gradients of q, k, v, both logits and every parameter of the maps, fp32."""
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed, logit_scale=2.0)
     fmap = make_feature_map(kind, H, HKV, D, feature_dim, seed)
-    mask = None
-    if mask_p is not None:
-        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
-        mask[0, : min(T, 3)] = False
-        mask = mask.to(DEV)
+    mask = random_padding(B, T, mask_p, seed)
     kw = dict(window=window, formulation=formulation, feature_map=fmap, key_padding_mask=mask)
     out = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)[0]
     ref = hybrid_attention(q, k, v, wl, ll, backend="reference", **kw)[0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     inputs = (q, k, v, wl, ll, *map_params(fmap))
     names = ("dq", "dk", "dv", "dwindow_logit", "dlinear_logit") + tuple(f"dmap{i}" for i in range(len(inputs) - 5))
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
     # The window formulation leaves the logits and the maps out of the graph: their gradients are zero.
-    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
-    ref_grads = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
-    for name, got, want in zip(names, grads, ref_grads):
-        assert torch.isfinite(got).all(), name
-        # Logit and map-parameter gradients sum over positions: compare relative to their scale.
-        scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m, name=name: f"{name}: {m}")
+    grads = assert_same_gradients(out, ref, inputs, names, seed)
     if formulation == "window":
         assert all(not g.any() for g in grads[3:])
     return out
@@ -354,6 +367,26 @@ def test_decode_steps_match_parallel_op_and_torch_step(formulation, window, pad)
     torch.testing.assert_close(par, naive, atol=1e-5, rtol=1e-5)
 
 
+def steps_against_torch_step(q, k, v, wl, ll, valid, w, fmap, formulation, F, log_decay=None):
+    """Every token through the triton step (in place on odd steps) and the torch step from empty
+    states: outputs, S and z agree at each step. Returns (the triton outputs, both final states)."""
+    B, HKV, T, D = k.shape
+    st = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    st_torch = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
+    outs = []
+    for t in range(T):
+        sl = slice(t, t + 1)
+        kw = dict(feature_map=fmap, formulation=formulation, key_valid=valid[:, t], log_decay=log_decay)
+        o, st = hybrid_attention_step_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1,
+                                             **kw)
+        o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
+        torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(st.z, st_torch.z, atol=1e-5, rtol=1e-5)
+        outs.append(o)
+    return outs, st, st_torch
+
+
 @pytest.mark.parametrize("formulation", ["hybrid", "lolcats", "window"])
 def test_decode_steps_with_feature_pair_match_torch_step(formulation):
     """A Hedgehog (query_map, key_map) pair (F = 32, D = 16, GQA 4 over 2): the triton step (phi(q)
@@ -366,21 +399,8 @@ def test_decode_steps_with_feature_pair_match_torch_step(formulation):
     valid[1, :3] = False  # left padding of row 1: evicted at steps 4..6
     valid[0, 5] = False  # a padded slot inside row 0, evicted at step 9
     F = 2 * D
-    st = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
-    st_torch = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
-    outs = []
     with torch.no_grad():
-        for t in range(T):
-            sl = slice(t, t + 1)
-            kw = dict(feature_map=pair, formulation=formulation, key_valid=valid[:, t])
-            o, st = hybrid_attention_step_triton(
-                q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw
-            )
-            o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
-            torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(st.z, st_torch.z, atol=1e-5, rtol=1e-5)
-            outs.append(o)
+        outs, st, st_torch = steps_against_torch_step(q, k, v, wl, ll, valid, w, pair, formulation, F)
         assert st.seen == T and st.S.shape == (B, HKV, F, D)
         assert torch.equal(st.window_valid, st_torch.window_valid) and torch.equal(st.k_window, st_torch.k_window)
         pre = prefill_state(k, v, window=w, feature_map=pair, key_padding_mask=valid)
@@ -430,11 +450,7 @@ def check_decay_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, for
     q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed, logit_scale=2.0)
     ld = torch.tensor(LOG_DECAY[:HKV], device=DEV).requires_grad_()
     fmap = make_feature_map(kind, H, HKV, D, feature_dim, seed)
-    mask = None
-    if mask_p is not None:
-        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(seed + 1)) > mask_p
-        mask[0, : min(T, 3)] = False
-        mask = mask.to(DEV)
+    mask = random_padding(B, T, mask_p, seed)
     kw = dict(window=window, formulation=formulation, feature_map=fmap, key_padding_mask=mask, log_decay=ld,
               output_final_state=True)
     out, st = hybrid_attention_triton(q, k, v, wl, ll, block_size=block, **kw)
@@ -446,13 +462,7 @@ def check_decay_op(T, D, window, kind, *, feature_dim=None, H=4, HKV=2, B=1, for
     inputs = (q, k, v, wl, ll, ld, *map_params(fmap))
     names = ("dq", "dk", "dv", "dwindow_logit", "dlinear_logit", "dlog_decay")
     names += tuple(f"dmap{i}" for i in range(len(inputs) - len(names)))
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2)).to(DEV)
-    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True, materialize_grads=True)
-    ref_grads = torch.autograd.grad(ref, inputs, dout, allow_unused=True, materialize_grads=True)
-    for name, got, want in zip(names, grads, ref_grads):
-        assert torch.isfinite(got).all(), name
-        scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(got, want, atol=5e-5 * scale, rtol=4e-4, msg=lambda m, name=name: f"{name}: {m}")
+    grads = assert_same_gradients(out, ref, inputs, names, seed)
     if formulation == "window":
         assert not grads[5].any()
     else:
@@ -551,21 +561,8 @@ def test_decode_steps_with_decay_match_torch_step(kind, formulation):
     valid[1, :3] = False  # left padding of row 1: evicted at steps 4..6 (the state still decays)
     valid[0, 6] = False
     F = D if kind == "elu1" else 2 * D
-    st = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
-    st_torch = init_state(B, HKV, D, w, feature_dim=F, device=DEV)
-    outs = []
     with torch.no_grad():
-        for t in range(T):
-            sl = slice(t, t + 1)
-            kw = dict(feature_map=fmap, formulation=formulation, key_valid=valid[:, t], log_decay=ld)
-            o, st = hybrid_attention_step_triton(
-                q[:, :, sl], k[:, :, sl], v[:, :, sl], st, wl, ll, inplace=t % 2 == 1, **kw
-            )
-            o_t, st_torch = hybrid_attention_step_torch(q[:, :, sl], k[:, :, sl], v[:, :, sl], st_torch, wl, ll, **kw)
-            torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(st.S, st_torch.S, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(st.z, st_torch.z, atol=1e-5, rtol=1e-5)
-            outs.append(o)
+        outs, st, _ = steps_against_torch_step(q, k, v, wl, ll, valid, w, fmap, formulation, F, ld)
         pre = prefill_state(k, v, window=w, feature_map=fmap, key_padding_mask=valid, log_decay=ld)
         torch.testing.assert_close(st.S, pre.S, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(st.z, pre.z, atol=1e-5, rtol=1e-5)
