@@ -210,6 +210,19 @@ def window_prompt_state(
     return state
 
 
+def aged_sums(S: Tensor, z: Tensor, log_decay: Tensor | None, positions: int, *,
+              in_place: bool = False) -> tuple[Tensor, Tensor]:
+    """``S`` ``[B, H, F, D]`` and ``z`` ``[B, H, F]`` of a decaying state as they stand ``positions``
+    later: scaled by gamma^positions per head (``log_decay`` ``[H]``); unchanged without a decay.
+    ``in_place``: scale the given tensors (a native kernel holds their memory)."""
+    if log_decay is None:
+        return S, z
+    gamma = torch.exp(log_decay.float() * positions)
+    if in_place:
+        return S.mul_(gamma.view(1, -1, 1, 1)), z.mul_(gamma.view(1, -1, 1))
+    return S * gamma.view(1, -1, 1, 1), z * gamma.view(1, -1, 1)
+
+
 def linear_sums_of(k: Tensor, v: Tensor, real: Tensor | None, feature_map: FeatureMap,
                    log_decay: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``S = sum phi(k) v^T`` ``[B, H, F, D]`` and ``z = sum phi(k)`` ``[B, H, F]`` (fp32) over the

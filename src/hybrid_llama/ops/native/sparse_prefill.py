@@ -31,7 +31,7 @@ from ..gqa import expand_kv
 from ..sparse.config import SparseCacheConfig
 from ..sparse.eviction import close_block, fold_weights, gather_slots, group_bounds
 from ..sparse.state import sparse_final_state
-from ..state import HybridState, init_state
+from ..state import HybridState, aged_sums, init_state
 from . import build
 from .bindings import TILE, Kernel, fill, fp32_rows, pointers, prefill_maps, strides3
 from .build import MAX_D, MAX_F
@@ -118,7 +118,7 @@ def hybrid_attention_sparse_cpu(
         if code != 0:
             return None
         if t1 < T and lam_kv is not None:  # S, z as of t1, the close's position (in place: the close's)
-            _age(S, z, lam_kv, t1 - t0)
+            aged_sums(S, z, lam_kv, t1 - t0, in_place=True)
         if t1 < T and native_close:
             if lib.hybrid_sparse_close_f32(*fill(close_args, close_slots, block)) != 0:
                 return None
@@ -135,15 +135,8 @@ def hybrid_attention_sparse_cpu(
     final = None
     if output_final_state:
         if lam_kv is not None:  # as of the last position, as the decode step keeps them
-            _age(S, z, lam_kv, T - 1 - bounds[-1][0])
+            aged_sums(S, z, lam_kv, T - 1 - bounds[-1][0], in_place=True)
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
         real = torch.ones(B, T, dtype=torch.bool)
         final = sparse_final_state(final, k, v, real, T, w, cache, S, z, cache_pos, cache_ok, None)
     return out.to(q.dtype), final
-
-
-def _age(S: Tensor, z: Tensor, log_decay: Tensor, positions: int) -> None:
-    """Multiply ``S`` ``[B, Hk, F, D]`` and ``z`` ``[B, Hk, F]`` in place by gamma^positions per KV head."""
-    gamma = torch.exp(log_decay * positions)
-    S.mul_(gamma.view(1, -1, 1, 1))
-    z.mul_(gamma.view(1, -1, 1))

@@ -38,7 +38,7 @@ from torch import Tensor
 from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from ..gqa import expand_kv
 from ..hybrid.reference import mixing_weights
-from ..state import HybridState, init_state
+from ..state import HybridState, aged_sums, init_state
 from .eviction import close_block, fold_weights, folded_candidates, gather_slots
 from .state import sparse_final_state
 
@@ -99,9 +99,8 @@ def plan_evictions(k: Tensor, v: Tensor, T: int, window: int, cache, phi_k,
         cand_pos = torch.cat([idx, blk], -1)
         cand_ok = torch.cat([ok, every_head], -1)
         cand_k, cand_v = gather_slots(k, cand_pos), gather_slots(v, cand_pos)
-        if log_decay is not None and J:  # as of this close, w positions after the last
-            gamma_w = torch.exp(log_decay.float() * w)
-            S, z = S * gamma_w.view(1, -1, 1, 1), z * gamma_w.view(1, -1, 1)
+        if J:  # as of this close, w positions after the last
+            S, z = aged_sums(S, z, log_decay, w)
         keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, None, S, z, lam, phi_k,
                                      fold_weights(log_decay, close_position(J, w, ns), w, cand_pos))
         folded = folded_candidates(cand_ok, keep)
@@ -241,8 +240,7 @@ def hybrid_attention_sparse_batched(
         S, z = plan.S, plan.z
         n_closes = plan.fold_pos.shape[2]
         if lam is not None and n_closes:  # as of the last position, as the decode step keeps them
-            gamma_age = torch.exp(lam.detach() * (T - 1 - close_position(n_closes - 1, w, ns)))
-            S, z = S * gamma_age.view(1, -1, 1, 1), z * gamma_age.view(1, -1, 1)
+            S, z = aged_sums(S, z, lam.detach(), T - 1 - close_position(n_closes - 1, w, ns))
         final = init_state(B, Hk, D, w, feature_dim=plan.S.shape[-2], device=q.device, dtype=k.dtype)
         real = torch.ones(B, T, dtype=torch.bool, device=q.device)
         final = sparse_final_state(final, k, v, real, T, w, cache, S, z, plan.final_pos, plan.final_ok, None)

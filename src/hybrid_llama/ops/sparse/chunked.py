@@ -41,7 +41,7 @@ from torch import Tensor
 from ..feature_maps import FeatureMap, keys_need_query_heads, resolve_qk_maps
 from ..gqa import expand_kv
 from ..hybrid.reference import combine, mixing_weights
-from ..state import init_state
+from ..state import aged_sums, init_state
 from .config import SparseCacheConfig
 from .eviction import close_block, fold_weights, gather_slots, group_bounds
 from .state import sparse_final_state
@@ -145,8 +145,7 @@ def hybrid_attention_sparse(
             cand_pos = key_pos[..., n_fixed:]
             cand_ok = torch.cat([cache_ok, real[:, None, blk].expand(B, Hk, -1)], -1)
             cand_acc = acc.gather(-1, cand_pos) if acc is not None else None
-            if lam_h is not None:  # S, z as of t1, the close's position
-                S, z = S * torch.exp(lam_h * (t1 - t0)), z * torch.exp(lam_h[..., 0] * (t1 - t0))
+            S, z = aged_sums(S, z, log_decay, t1 - t0)  # as of t1, the close's position
             keep, cache_ok, S, z = close_block(
                 cache.score, keys[:, :, n_fixed:], vals[:, :, n_fixed:], cand_ok, cand_pos, cand_acc,
                 S, z, lam, phi_k_map, fold_weights(log_decay, t1, w, cand_pos),
@@ -155,9 +154,8 @@ def hybrid_attention_sparse(
     out = torch.cat(outs, dim=2).to(q.dtype)
     final = None
     if output_final_state:
-        if lam_h is not None and bounds:  # as of the last position, as the decode step keeps them
-            age = T - 1 - bounds[-1][0]
-            S, z = S * torch.exp(lam_h * age), z * torch.exp(lam_h[..., 0] * age)
+        if bounds:  # as of the last position, as the decode step keeps them
+            S, z = aged_sums(S, z, log_decay, T - 1 - bounds[-1][0])
         final = init_state(B, Hk, D, w, feature_dim=F, device=q.device, dtype=k.dtype)
         final = sparse_final_state(final, k, v, real, T, w, cache, S, z, cache_idx, cache_ok, acc)
     return (out, final, torch.cat(shares, dim=2)) if return_shares else (out, final)

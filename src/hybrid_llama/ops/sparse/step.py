@@ -17,7 +17,7 @@ from torch import Tensor
 from ..feature_maps import FeatureMap, resolve_qk_maps
 from ..hybrid.reference import combine, mixing_weights
 from ..hybrid.step import check_step_shapes
-from ..state import HybridState, empty_sparse_state, init_state
+from ..state import HybridState, aged_sums, empty_sparse_state, init_state
 from .config import SparseCacheConfig
 from .eviction import close_block, fold_weights, gather_slots
 
@@ -72,9 +72,7 @@ def hybrid_attention_step_sparse(
     new_valid = torch.ones(B, dtype=torch.bool, device=q.device) if key_valid is None else key_valid.reshape(B).bool()
     # One shallow copy: the step replaces its fields, never writes into the old state's tensors.
     sp, S, z = state.sparse.map(lambda _, x: x), state.S, state.z
-    if log_decay is not None:
-        gamma = torch.exp(log_decay.float())
-        S, z = S * gamma.view(1, -1, 1, 1), z * gamma.view(1, -1, 1)
+    S, z = aged_sums(S, z, log_decay, 1)
     ring = t % w
     if t >= w:  # position s = t - w leaves the ring
         s = t - w
