@@ -245,6 +245,11 @@ BAD_CONFIGS = {
         lambda c: c["data"]["books"].update(source="hf", heldout=["pg84"]),
         ["'data.books.heldout'", "not among the books taken from the Hub"],
     ),
+    "training_on_books_with_every_book_held_out": (
+        lambda c: (c["variants"][1]["transfer"].update(corpus="books"),
+                   c["data"]["books"].update(heldout=list(c["data"]["books"]["names"]))),
+        ["'data.books.heldout'", "is held out, and ['lc16'] train on the others"],
+    ),
 }
 
 
@@ -296,6 +301,30 @@ def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_
     book_jobs = [b for b in re.split(r"\n(?=\[)", out.stdout) if re.search(r"^rule (book_nll|niah):$", b, re.M)]
     assert len(book_jobs) == 14
     assert all("resources/data/books/pg5200.txt" in b and str(SHARED) not in b for b in book_jobs)
+
+
+@pytest.mark.parametrize("source", ["local", "hf"])
+def test_a_variant_on_books_trains_and_distills_on_rows_of_the_training_books(wf_copy, tmp_path, source):
+    """transfer.corpus books: one book_rows job reads every book not held out (the mirror's, or those
+    books_download writes) and lc16's transfer and distillation read its rows; w16 keeps its documents."""
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["variants"][1]["transfer"]["corpus"] = "books"
+    cfg["data"]["books"]["source"] = source
+    file = tmp_path / f"books_{source}.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rules = sorted(r for r, _ in planned_jobs(out.stdout))
+    assert rules.count("book_rows") == 1 and rules.count("transfer_data") == 1  # w16's corpus only
+    blocks = {b.split(":\n", 1)[0]: b for b in re.split(r"\n(?=rule )", out.stdout) if b.startswith("rule ")}
+    rows = "resources/data/book_rows/tiny/L128_N1024.safetensors"
+    where = "resources/data/books" if source == "hf" else str(SHARED / "gutenberg")
+    books = {f"{where}/{n}.txt" for n in cfg["data"]["books"]["names"] if n != "pg5200"}  # pg5200 is held out
+    inputs = blocks["rule book_rows"].split("    input: ", 1)[1].split("\n", 1)[0].split(", ")
+    assert inputs[0] == "resources/weights/tiny/config.json" and set(inputs[1:]) == books
+    for rule, output in (("transfer", "results/tiny/lc16/transfer/"), ("lora", "results/tiny/lc16/lora/")):
+        block = out.stdout.split(f"rule {rule}:\n")
+        assert any(output in b.split("\n\n", 1)[0] and rows in b.split("\n\n", 1)[0] for b in block[1:]), rule
 
 
 _PARSE_PROBE = """

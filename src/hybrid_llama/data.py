@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .books import book_names, read_books, split_books
 from .files import atomic_write, load_safetensors, save_safetensors, sha256_of
 
 # The readers live in .sources; these names stay importable from here for existing callers.
@@ -39,6 +40,8 @@ __all__ = [
     "iter_documents",
     "iter_rows",
     "prepare_transfer_corpus",
+    "prepare_book_rows",
+    "book_row_plan",
     "load_packed",
     "read_manifest",
     "prepare_instruct_data",
@@ -173,6 +176,74 @@ def prepare_transfer_corpus(source: dict, tokenizer: Any, out_path: str | os.Pat
         "inputs_sha256": stream.hexdigest(),
         "doc_hash": "sha256(utf-8 text)",
         "doc_hashes": hashes,
+    }
+    _write_outputs(Path(out_path), {"tokens": tokens}, manifest)
+    return manifest
+
+
+def book_row_plan(slots: list[int], rows: int | None) -> list[list[int]]:
+    """Which of each book's ``slots`` (its non-overlapping row positions) to cut: ``rows`` rows in all
+    (None = every slot), shared out in proportion to the books' slots (largest remainder, ties to the
+    earlier book) and spread evenly inside each book, so the rows sample every part of every book."""
+    total = sum(slots)
+    if rows is None or rows >= total:
+        if rows is not None and rows > total:
+            raise ValueError(f"{rows} rows asked for, the books hold {total}")
+        return [list(range(n)) for n in slots]
+    exact = [rows * n / total for n in slots]
+    share = [int(x) for x in exact]
+    by_remainder = sorted(range(len(slots)), key=lambda i: (-(exact[i] - share[i]), i))
+    for i in by_remainder[: rows - sum(share)]:
+        share[i] += 1
+    return [[int((j + 0.5) * n / a) for j in range(a)] for n, a in zip(slots, share)]
+
+
+def prepare_book_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, *, seq_len: int,
+                      num_tokens: int | None) -> dict:
+    """Rows of ``seq_len`` consecutive tokens cut from the training books (``books``: ``{dir,
+    heldout}``, as ``hybrid_llama.books``: every book of the directory not held out), for training on
+    text whose context runs the whole row; returns the manifest.
+
+    ``num_tokens // seq_len`` rows (None = every non-overlapping row of every book) are placed by
+    ``book_row_plan`` and ordered by how far through its book each lies, so the last rows (a stage's
+    validation rows) come from several books. No row crosses a book's end and no EOS is inserted. Writes ``out_path``
+    (safetensors ``tokens`` int32 ``[N, seq_len]``) and the JSON manifest beside it, which records
+    each row's book and token offset."""
+    L = int(seq_len)
+    if num_tokens is not None and num_tokens < L:
+        raise ValueError(f"num_tokens={num_tokens} is less than one row of seq_len={L}")
+    directory = Path(books["dir"])
+    names = split_books(book_names(directory), list(books["heldout"]))["train"]
+    if not names:
+        raise DataError(f"{directory}: every book is held out (data.books.heldout); none is left to train on")
+    tok = _load_tokenizer(tokenizer)
+    texts = read_books(directory, names)
+    ids = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+    slots = [len(x) // L for x in ids]
+    want = None if num_tokens is None else num_tokens // L
+    if want is not None and want > sum(slots):
+        raise DataError(f"{directory}: the training books {names} hold {sum(slots)} rows of {L} tokens, "
+                        f"fewer than the {want} asked for (num_tokens={num_tokens})")
+    if sum(slots) == 0:
+        raise DataError(f"{directory}: no training book {names} holds one row of {L} tokens")
+    plan = book_row_plan(slots, want)
+    # by how far through its book a row lies, so that every part of the list mixes the books
+    order = sorted(((j, b, slot) for b, picked in enumerate(plan) for j, slot in enumerate(picked)),
+                   key=lambda r: ((r[0] + 0.5) / len(plan[r[1]]), r[1]))
+    tokens = torch.tensor([ids[b][slot * L:(slot + 1) * L] for _, b, slot in order], dtype=torch.int32)
+    manifest = {
+        "kind": "book_rows",
+        "source": {"dir": str(directory), "heldout": sorted(books["heldout"])},
+        "seq_len": L,
+        "num_tokens_requested": num_tokens,
+        "token_count": tokens.numel(),
+        "num_sequences": len(order),
+        "books": [{"name": n, "tokens": len(x), "rows": len(p), "sha256": sha256_of(directory / f"{n}.txt")}
+                  for n, x, p in zip(names, ids, plan)],
+        "rows": [{"book": names[b], "offset": slot * L} for _, b, slot in order],
+        "tokenizer": _tokenizer_name(tok),
+        "doc_hash": "sha256(utf-8 text, boilerplate cut)",
+        "doc_hashes": [doc_hash(t) for t in texts],
     }
     _write_outputs(Path(out_path), {"tokens": tokens}, manifest)
     return manifest

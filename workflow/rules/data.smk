@@ -1,5 +1,5 @@
-# Data: the packed transfer corpora (one per model and per seq_len x num_tokens that a variant
-# trains on) and the tokenized instruction data, per model (they depend on the tokenizer), and MMLU
+# Data: the packed transfer corpora and book rows (one per model and per seq_len x num_tokens that a
+# variant trains on) and the tokenized instruction data, per model (they depend on the tokenizer), and MMLU
 # and the long-document books from Hugging Face when there is no local mirror. These steps
 # download, so they run on the submitting host (localrules).
 
@@ -31,6 +31,31 @@ rule transfer_data:
         ),
     script:
         "../scripts/transfer_data.py"
+
+
+# Rows cut from the training books (every book of data.books not held out), for a variant whose
+# transfer.corpus is books: one file per seq_len x num_tokens, read by transfer and distillation.
+rule book_rows:
+    input:
+        weights=weights,
+        books=P.training_book_files(),
+    output:
+        tokens=path("book_rows"),
+        manifest=path("book_rows_manifest"),
+    log:
+        log_of("book_rows/{model}/L{seq_len}_N{num_tokens}"),
+    benchmark:
+        benchmark_of("book_rows/{model}/L{seq_len}_N{num_tokens}")
+    conda:
+        "../../envs/train.yaml"
+    params:
+        books=P.books_source(),
+        settings=lambda wildcards: P.book_rows_settings(
+            wildcards.seq_len, wildcards.num_tokens
+        ),
+    script:
+        "../scripts/book_rows.py"
+
 
 
 rule instruct_data:

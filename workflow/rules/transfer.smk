@@ -5,9 +5,7 @@
 rule transfer:
     input:
         weights=weights,
-        tokens=lambda wildcards: path(
-            "transfer_corpus", model=wildcards.model, **P.corpus(wildcards.variant)
-        ),
+        tokens=lambda wildcards: P.training_rows(wildcards.model, wildcards.variant),
     output:
         layers=path("hybrid_layers"),
         metrics=path("transfer_metrics"),

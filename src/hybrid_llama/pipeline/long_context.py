@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybrid_llama.books import gutenberg_id
+from hybrid_llama.books import book_names, gutenberg_id
 from hybrid_llama.config import canonical
 
 from .paths import LONG_CONTEXT_KINDS, PATHS, path
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # views imports this module
 
 __all__ = ["book_files", "books_dir", "books_hub_source", "books_source", "hub_book_files", "hub_books",
            "kind_settings", "long_slots", "quality_lens", "recommended", "slot_settings", "throughput_long",
-           "uses_books", "check_long_context"]
+           "trains_on_books", "training_book_files", "uses_books", "check_long_context"]
 
 
 def recommended(p: Pipeline) -> str | None:
@@ -96,9 +96,25 @@ def book_files(p: Pipeline) -> list[str]:
     return [str(books_dir(p) / f"{name}.txt") for name in p.config["data"]["books"]["heldout"]]
 
 
+def training_book_files(p: Pipeline) -> list[str]:
+    """The training books' files (every book not held out: the mirror directory's other books, or
+    the other ``data.books.names`` from the Hub), as inputs of the book rows."""
+    heldout = set(p.config["data"]["books"]["heldout"])
+    if p.data_kind("books") == "hf":
+        return [path("book", book=n) for n in p.config["data"]["books"]["names"] if n not in heldout]
+    directory = books_dir(p)
+    return [str(directory / f"{n}.txt") for n in book_names(directory) if n not in heldout]
+
+
+def trains_on_books(p: Pipeline) -> list[str]:
+    """The variants whose transfer (and distillation) rows are cut from the training books."""
+    return [v for v in p.transfer_slots() if p.transfer(v)["corpus"] == "books"]
+
+
 def uses_books(p: Pipeline) -> bool:
-    """Whether any evaluation reads the books: NLL on them, or a needle test with a book haystack."""
-    return bool(kind_settings(p, "books")["context_lens"]) or "book" in kind_settings(p, "niah")["haystacks"]
+    """Whether any job reads the books: NLL on them, a needle test with a book haystack, or training."""
+    return (bool(kind_settings(p, "books")["context_lens"]) or "book" in kind_settings(p, "niah")["haystacks"]
+            or bool(trains_on_books(p)))
 
 
 def check_long_context(p: Pipeline) -> None:
@@ -133,11 +149,15 @@ def check_long_context(p: Pipeline) -> None:
     if not uses_books(p):
         return
     # 'auto' resolves per machine, so a config with it must also hold where the Hub is read
+    trainers = trains_on_books(p)
     if books["source"] != "local":
         absent = [b for b in books["heldout"] if b not in books["names"]]
         if absent:
             raise ConfigError("data.books.heldout", f"{absent} are not among the books taken from the Hub "
                                                     f"(data.books.names: {books['names']})")
+        if trainers and set(books["names"]) <= set(books["heldout"]):
+            raise ConfigError("data.books.heldout", f"every book of data.books.names is held out, and {trainers} "
+                                                    "train on the others (transfer.corpus: books)")
     if p.data_kind("books") == "hf":
         return  # the files come from rule books_download
     directory = books_dir(p)
@@ -146,6 +166,9 @@ def check_long_context(p: Pipeline) -> None:
     missing = [f for f in book_files(p) if not Path(f).is_file()]
     if missing:
         raise ConfigError("data.books.heldout", f"no such book: {missing} (the books are the *.txt of {directory})")
+    if trainers and not training_book_files(p):
+        raise ConfigError("data.books.heldout", f"every book of {directory} is held out, and {trainers} train on "
+                                                "the others (transfer.corpus: books)")
 
 
 def throughput_long(p: Pipeline) -> dict[str, Any]:

@@ -55,6 +55,9 @@ PATHS: dict[str, str] = {
     # One packed corpus per (seq_len, num_tokens) that a variant trains on; num_tokens "all" = no cap.
     "transfer_corpus": "resources/data/transfer/{model}/L{seq_len}_N{num_tokens}.safetensors",
     "transfer_manifest": "resources/data/transfer/{model}/L{seq_len}_N{num_tokens}.json",
+    # Rows cut from the training books (transfer.corpus: books), one file per (seq_len, num_tokens).
+    "book_rows": "resources/data/book_rows/{model}/L{seq_len}_N{num_tokens}.safetensors",
+    "book_rows_manifest": "resources/data/book_rows/{model}/L{seq_len}_N{num_tokens}.json",
     "instruct_data": "resources/data/instruct/{model}.safetensors",
     "instruct_manifest": "resources/data/instruct/{model}.json",
     "mmlu_manifest": "resources/data/mmlu/manifest.json",

@@ -145,11 +145,24 @@ class Pipeline:
     def transfer_train(self, variant: str) -> dict:
         """What ``run_transfer`` gets: the transfer section without the corpus keys (the corpus is
         its input file)."""
-        return {k: v for k, v in self.transfer(variant).items() if k not in ("seq_len", "num_tokens")}
+        return {k: v for k, v in self.transfer(variant).items() if k not in ("seq_len", "num_tokens", "corpus")}
 
     def corpus(self, variant: str) -> dict[str, str]:
         """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""
         return _corpus_wildcards(self.transfer(variant))
+
+    def training_rows(self, model: str, variant: str, manifest: bool = False) -> str:
+        """The file of the variant's training rows (transfer, and a distilled LoRA stage): the packed
+        documents of data.transfer, or rows cut from the training books (transfer.corpus)."""
+        if self.transfer(variant)["corpus"] == "books":
+            name = "book_rows_manifest" if manifest else "book_rows"
+        else:
+            name = "transfer_manifest" if manifest else "transfer_corpus"
+        return path(name, model=model, **self.corpus(variant))
+
+    def book_rows_settings(self, seq_len: str, num_tokens: str) -> dict:
+        """``prepare_book_rows`` settings of the book rows with these wildcards."""
+        return {"seq_len": int(seq_len), "num_tokens": None if num_tokens == "all" else int(num_tokens)}
 
     def corpus_settings(self, seq_len: str, num_tokens: str) -> dict:
         """``prepare_transfer_corpus`` settings of the corpus with these wildcards."""
@@ -195,6 +208,9 @@ class Pipeline:
 
     def book_files(self) -> list[str]:
         return long_context.book_files(self)
+
+    def training_book_files(self) -> list[str]:
+        return long_context.training_book_files(self)
 
     def hub_books(self) -> dict[str, str]:
         return long_context.hub_books(self)
@@ -293,17 +309,19 @@ class Pipeline:
     def corpus_files(
         self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
     ) -> list[str]:
-        """The transfer corpora of the trained variants (one per distinct seq_len/num_tokens); when no
-        variant trains, the top-level transfer section's corpus (perplexity reads its held-out split)."""
+        """The packed-document corpora the variants train on (one per distinct seq_len/num_tokens; book
+        rows are not among them); when none does, the top-level transfer section's (perplexity reads
+        its held-out split and drops every document these list)."""
         variants = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
-        corpora = [self.corpus(v) for v in variants] or [_corpus_wildcards(self.config["transfer"])]
+        corpora = [self.corpus(v) for v in variants if self.transfer(v)["corpus"] == "documents"]
+        corpora = corpora or [_corpus_wildcards(self.config["transfer"])]
         unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
         return [path(name, model=model, **dict(c)) for c in unique]
 
     def lora_data(self, model: str, variant: str) -> str:
         """The LoRA stage's data: instruction data, or the variant's transfer corpus (objective distill)."""
         if variant != "base_lora" and self.lora(variant)["objective"] == "distill":
-            return path("transfer_corpus", model=model, **self.corpus(variant))
+            return self.training_rows(model, variant)
         return path("instruct_data", model=model)
 
     def lora_inputs(self, model: str, variant: str) -> dict[str, str]:
@@ -378,6 +396,8 @@ class Pipeline:
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
             "exports": [path("export", model=m, variant=v) for m in m_ for v, _ in self.export_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
+            + list(dict.fromkeys(self.training_rows(m, v, manifest=True) for m in m_ for v in self.transfer_slots()
+                                 if self.transfer(v)["corpus"] == "books"))
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
 

@@ -58,7 +58,8 @@ def benchmark_rows(directory) -> list[dict]:
 
 
 def manifest_summary(path) -> dict:
-    """A manifest without its long per-document hash list (the count stays)."""
+    """A manifest without its long per-document hash list and per-row book offsets (the counts stay)."""
     data = json.loads(Path(path).read_text())
-    items = {k: (f"{len(v)} document sha256 hashes" if k == "doc_hashes" else v) for k, v in data.items()}
+    counted = {"doc_hashes": "document sha256 hashes", "rows": "rows' book and token offset"}
+    items = {k: (f"{len(v)} {counted[k]}" if k in counted else v) for k, v in data.items()}
     return {"path": str(path), "items": items}
