@@ -14,6 +14,7 @@ from snakemake.utils import validate
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
 from hybrid_llama.data import DataError, book_row_plan, load_packed, prepare_book_rows, read_manifest
 from hybrid_llama.pipeline import Pipeline, shared_data_dir
+from hybrid_llama.train.settings import TransferSettings
 from hybrid_llama.weights import BYTE_OFFSET, byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,7 +119,8 @@ def test_a_books_variant_trains_and_distills_on_the_book_rows():
     # its derived variants distill on the same rows; the others keep the packed documents
     assert p.lora_data("smollm2", "lolcats_sparse_distill") == rows == p.lora_data("smollm2", "lolcats")
     assert p.training_rows("smollm2", "seed") == "resources/data/transfer/smollm2/L256_N16384.safetensors"
-    assert "corpus" not in p.transfer_train("lolcats")
+    # what the transfer job gets trains as such (the corpus keys chose its input file)
+    assert TransferSettings.from_dict(p.transfer_train("lolcats")).as_dict()["max_position"] == 8192
     # perplexity's held-out documents are checked against the document corpora only
     assert p.corpus_files("smollm2", name="transfer_manifest") == ["resources/data/transfer/smollm2/L256_N16384.json"]
     assert rows.replace(".safetensors", ".json") in p.report_inputs()["manifests"]

@@ -18,3 +18,6 @@ STAGE_LABELS = {
     "base_lora": "base + LoRA (control)",
 }
 MMLU_FORMATS = ("mc", "cloze")
+# The transfer section's keys that choose the training rows (a file of their own, built before
+# training) rather than how training runs.
+CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")

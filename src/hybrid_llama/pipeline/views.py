@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_llama.config import ConfigError, canonical, deep_merge, without_unused_hybrid_keys
-from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
+from hybrid_llama.names import CORPUS_KEYS, MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
 
 from . import long_context
 from .checks import check_config
@@ -145,7 +145,7 @@ class Pipeline:
     def transfer_train(self, variant: str) -> dict:
         """What ``run_transfer`` gets: the transfer section without the corpus keys (the corpus is
         its input file)."""
-        return {k: v for k, v in self.transfer(variant).items() if k not in ("seq_len", "num_tokens", "corpus")}
+        return {k: v for k, v in self.transfer(variant).items() if k not in CORPUS_KEYS}
 
     def corpus(self, variant: str) -> dict[str, str]:
         """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
 from hybrid_llama.config import schema_defaults
+from hybrid_llama.names import CORPUS_KEYS  # the keys that choose run_transfer's packed rows
 
 __all__ = [
     "RUN_DEFAULTS",
@@ -34,10 +35,6 @@ RUN_DEFAULTS: dict[str, Any] = {
     "resume": True,
     "progress": True,
 }
-
-# Keys of the schema's transfer section that describe the corpus the workflow packs (its rows are
-# what run_transfer's packed_path holds), not how the stage trains.
-CORPUS_KEYS = ("seq_len", "num_tokens")
 
 
 @dataclass(frozen=True)
