@@ -57,7 +57,6 @@ rule book_rows:
         "../scripts/book_rows.py"
 
 
-
 rule instruct_data:
     input:
         weights=weights,
