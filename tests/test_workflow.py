@@ -286,9 +286,11 @@ def test_good_test_config_dry_run(wf_copy):
 
 def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_path):
     """data.books.source hf: one books_download job writes every book of data.books.names, and the
-    book jobs read the held-out book from there instead of the mirror."""
+    book jobs read the held-out book from there instead of the mirror; so do the book rows of a
+    variant on transfer.corpus books."""
     cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
     cfg["data"]["books"]["source"] = "hf"
+    cfg["variants"][1]["transfer"]["corpus"] = "books"
     file = tmp_path / "hub_books.yaml"
     file.write_text(yaml.safe_dump(cfg))
     out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
@@ -301,30 +303,32 @@ def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_
     book_jobs = [b for b in re.split(r"\n(?=\[)", out.stdout) if re.search(r"^rule (book_nll|niah):$", b, re.M)]
     assert len(book_jobs) == 14
     assert all("resources/data/books/pg5200.txt" in b and str(SHARED) not in b for b in book_jobs)
+    _check_book_rows_plan(out.stdout, cfg, "resources/data/books")
 
 
-@pytest.mark.parametrize("source", ["local", "hf"])
-def test_a_variant_on_books_trains_and_distills_on_rows_of_the_training_books(wf_copy, tmp_path, source):
-    """transfer.corpus books: one book_rows job reads every book not held out (the mirror's, or those
-    books_download writes) and lc16's transfer and distillation read its rows; w16 keeps its documents."""
-    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
-    cfg["variants"][1]["transfer"]["corpus"] = "books"
-    cfg["data"]["books"]["source"] = source
-    file = tmp_path / f"books_{source}.yaml"
-    file.write_text(yaml.safe_dump(cfg))
-    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rules = sorted(r for r, _ in planned_jobs(out.stdout))
+def _check_book_rows_plan(stdout: str, cfg: dict, where: str) -> None:
+    """lc16 on transfer.corpus books: one book_rows job reads every book not held out (from ``where``)
+    and lc16's transfer and distillation read its rows; w16 keeps its packed documents."""
+    rules = sorted(r for r, _ in planned_jobs(stdout))
     assert rules.count("book_rows") == 1 and rules.count("transfer_data") == 1  # w16's corpus only
-    blocks = {b.split(":\n", 1)[0]: b for b in re.split(r"\n(?=rule )", out.stdout) if b.startswith("rule ")}
+    blocks = {b.split(":\n", 1)[0]: b for b in re.split(r"\n(?=rule )", stdout) if b.startswith("rule ")}
     rows = "resources/data/book_rows/tiny/L128_N1024.safetensors"
-    where = "resources/data/books" if source == "hf" else str(SHARED / "gutenberg")
     books = {f"{where}/{n}.txt" for n in cfg["data"]["books"]["names"] if n != "pg5200"}  # pg5200 is held out
     inputs = blocks["rule book_rows"].split("    input: ", 1)[1].split("\n", 1)[0].split(", ")
     assert inputs[0] == "resources/weights/tiny/config.json" and set(inputs[1:]) == books
     for rule, output in (("transfer", "results/tiny/lc16/transfer/"), ("lora", "results/tiny/lc16/lora/")):
-        block = out.stdout.split(f"rule {rule}:\n")
+        block = stdout.split(f"rule {rule}:\n")
         assert any(output in b.split("\n\n", 1)[0] and rows in b.split("\n\n", 1)[0] for b in block[1:]), rule
+
+
+def test_a_variant_on_books_trains_and_distills_on_rows_of_the_mirrors_training_books(wf_copy, tmp_path):
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["variants"][1]["transfer"]["corpus"] = "books"
+    file = tmp_path / "books_local.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    _check_book_rows_plan(out.stdout, cfg, str(SHARED / "gutenberg"))
 
 
 _PARSE_PROBE = """
