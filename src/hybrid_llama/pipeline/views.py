@@ -161,13 +161,12 @@ class Pipeline:
         return path(name, model=model, **self.corpus(variant))
 
     def book_rows_settings(self, seq_len: str, num_tokens: str) -> dict:
-        """``prepare_book_rows`` settings of the book rows with these wildcards."""
+        """``prepare_book_rows`` settings of the book rows with these wildcards (num_tokens "all" = None)."""
         return {"seq_len": int(seq_len), "num_tokens": None if num_tokens == "all" else int(num_tokens)}
 
     def corpus_settings(self, seq_len: str, num_tokens: str) -> dict:
         """``prepare_transfer_corpus`` settings of the corpus with these wildcards."""
-        return {**self.data_settings("transfer"), "seq_len": int(seq_len),
-                "num_tokens": None if num_tokens == "all" else int(num_tokens)}
+        return {**self.data_settings("transfer"), **self.book_rows_settings(seq_len, num_tokens)}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings."""
@@ -396,8 +395,8 @@ class Pipeline:
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
             "exports": [path("export", model=m, variant=v) for m in m_ for v, _ in self.export_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
-            + list(dict.fromkeys(self.training_rows(m, v, manifest=True) for m in m_ for v in self.transfer_slots()
-                                 if self.transfer(v)["corpus"] == "books"))
+            + list(dict.fromkeys(self.training_rows(m, v, manifest=True)
+                                 for m in m_ for v in long_context.trains_on_books(self)))
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
 
