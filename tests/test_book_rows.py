@@ -14,7 +14,8 @@ from snakemake.utils import validate
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
 from hybrid_llama.data import DataError, book_row_plan, load_packed, prepare_book_rows, read_manifest
 from hybrid_llama.pipeline import Pipeline, shared_data_dir
-from hybrid_llama.train.settings import TransferSettings
+from hybrid_llama.pipeline.long_context import trains_on_books
+from hybrid_llama.train.settings import LoraSettings, TransferSettings
 from hybrid_llama.weights import BYTE_OFFSET, byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,10 +103,11 @@ def test_mirror_book_rows_hold_no_heldout_text(tmp_path):
 # ----------------------------------------------------------------------------- the workflow
 
 
-def _config(variant_transfer: dict, name: str = "config.yaml") -> dict:
+def _config(variant_transfer: dict, name: str = "config.yaml", variant_lora: dict | None = None) -> dict:
     cfg = yaml.safe_load((REPO / "config" / name).read_text())
     lolcats = next(v for v in cfg["variants"] if v["name"] == ("lolcats" if name == "config.yaml" else "lc16"))
     lolcats["transfer"].update(variant_transfer)
+    lolcats["lora"].update(variant_lora or {})
     validate(cfg, str(SCHEMA_PATH))
     return cfg
 
@@ -128,6 +130,46 @@ def test_a_books_variant_trains_and_distills_on_the_book_rows():
                                                                      "pg98"]
 
 
+DOCUMENT_ROWS = "resources/data/transfer/smollm2/L2048_N65536"
+BOOK_ROWS = "resources/data/book_rows/smollm2/L2048_N65536"
+
+
+@needs_books
+def test_a_variant_can_transfer_on_books_and_distill_on_documents():
+    p = Pipeline(_config({"corpus": "books"}, variant_lora={"corpus": "documents"}), REPO)
+    p.check()
+    assert p.training_rows("smollm2", "lolcats") == BOOK_ROWS + ".safetensors"
+    # the distillations (its own and the derived cache-active one, which inherits lora.corpus) read documents
+    assert p.lora_data("smollm2", "lolcats") == p.lora_data("smollm2", "lolcats_sparse_distill") \
+        == DOCUMENT_ROWS + ".safetensors"
+    # so perplexity drops the documents distillation saw, and the report lists both corpora's manifests
+    assert DOCUMENT_ROWS + ".json" in p.corpus_files("smollm2", name="transfer_manifest")
+    assert {BOOK_ROWS + ".json", DOCUMENT_ROWS + ".json"} <= set(p.report_inputs()["manifests"])
+    # the corpus chose the file; what the LoRA job gets has no such key and trains as such
+    assert p.lora("lolcats")["corpus"] == "documents" and "corpus" not in p.lora_train("lolcats")
+    assert LoraSettings.from_dict(p.lora_train("lolcats")).as_dict()["objective"] == "distill"
+
+
+@needs_books
+def test_a_variant_can_transfer_on_documents_and_distill_on_books():
+    p = Pipeline(_config({}, variant_lora={"corpus": "books"}), REPO)
+    p.check()
+    assert p.training_rows("smollm2", "lolcats") == DOCUMENT_ROWS + ".safetensors"
+    assert p.lora_data("smollm2", "lolcats") == BOOK_ROWS + ".safetensors"
+    assert trains_on_books(p) == ["lolcats", "lolcats_sparse_distill"]
+    assert BOOK_ROWS + ".json" in p.report_inputs()["manifests"]
+    # the held-out check still covers the documents the transfer packed
+    assert DOCUMENT_ROWS + ".json" in p.corpus_files("smollm2", name="transfer_manifest")
+
+
+@needs_books
+def test_a_lora_corpus_without_distillation_fails_naming_the_key():
+    cfg = _config({}, variant_lora={"corpus": "books", "objective": "instruct"})
+    with pytest.raises(ConfigError, match="objective 'instruct'") as err:
+        Pipeline(cfg, REPO).check()
+    assert err.value.key == "variants[lolcats].lora.corpus"
+
+
 @needs_books
 def test_the_default_variants_train_on_documents():
     p = Pipeline(_config({}), REPO)
@@ -139,7 +181,7 @@ def test_the_default_variants_train_on_documents():
     ({"heldout": ["pg11", "pg16", "pg98", "pg174", "pg236", "pg1342", "pg2701", "pg5200"]},
      "every book of data.books.names is held out"),
     ({"source": "local", "heldout": ["pg11", "pg16", "pg98", "pg174", "pg236", "pg1342", "pg2701", "pg5200"]},
-     "is held out, and ['lolcats'] train on the others"),
+     "is held out, and ['lolcats', 'lolcats_sparse_distill'] train on the others"),
 ])
 @needs_books
 def test_training_on_books_with_every_book_held_out_fails_naming_the_key(books, needle):

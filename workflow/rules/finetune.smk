@@ -29,7 +29,7 @@ rule lora:
         gpu=lambda wildcards: int(is_cuda(P.lora(wildcards.variant)["device"])),
     params:
         hybrid=lambda wildcards: P.hybrid(wildcards.variant),
-        lora=lambda wildcards: P.lora(wildcards.variant),
+        lora=lambda wildcards: P.lora_train(wildcards.variant),
     script:
         "../scripts/lora.py"
 

@@ -164,6 +164,12 @@ def _check_training(p: Pipeline, v: str) -> None:
                                       f"{settings['max_position']} is beyond model '{model}''s {positions} positions")
     if p.trained(v, "transfer_lora") and lora["objective"] == "distill" and hybrid["formulation"] == "window":
         raise ConfigError(_key(p, v, "lora", "objective"), "a window-only variant has no hybrid layers to distill")
+    if lora.get("corpus") and lora["objective"] != "distill":
+        raise ConfigError(_key(p, v, "lora", "corpus"),
+                          f"'{lora['corpus']}' chooses distillation rows, but variant '{v}' finetunes with "
+                          f"objective '{lora['objective']}'")
+    if "base_lora" in p.stages and p.lora("base_lora").get("corpus"):
+        raise ConfigError("base_lora.corpus", "the base + LoRA control finetunes on instruction data")
     if "base_lora" in p.stages and p.lora("base_lora")["objective"] != "instruct":
         raise ConfigError("base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')")
 

@@ -107,8 +107,9 @@ def training_book_files(p: Pipeline) -> list[str]:
 
 
 def trains_on_books(p: Pipeline) -> list[str]:
-    """The variants whose transfer (and distillation) rows are cut from the training books."""
-    return [v for v in p.transfer_slots() if p.transfer(v)["corpus"] == "books"]
+    """The variants whose transfer or distillation rows are cut from the training books."""
+    transfers = [v for v in p.transfer_slots() if p.transfer(v)["corpus"] == "books"]
+    return list(dict.fromkeys(transfers + [v for v in p.lora_slots() if p.lora_corpus(v) == "books"]))
 
 
 def uses_books(p: Pipeline) -> bool:
@@ -157,7 +158,7 @@ def check_long_context(p: Pipeline) -> None:
                                                     f"(data.books.names: {books['names']})")
         if trainers and set(books["names"]) <= set(books["heldout"]):
             raise ConfigError("data.books.heldout", f"every book of data.books.names is held out, and {trainers} "
-                                                    "train on the others (transfer.corpus: books)")
+                                                    "train on the others (corpus: books)")
     if p.data_kind("books") == "hf":
         return  # the files come from rule books_download
     directory = books_dir(p)
@@ -168,7 +169,7 @@ def check_long_context(p: Pipeline) -> None:
         raise ConfigError("data.books.heldout", f"no such book: {missing} (the books are the *.txt of {directory})")
     if trainers and not training_book_files(p):
         raise ConfigError("data.books.heldout", f"every book of {directory} is held out, and {trainers} train on "
-                                                "the others (transfer.corpus: books)")
+                                                "the others (corpus: books)")
 
 
 def throughput_long(p: Pipeline) -> dict[str, Any]:

@@ -151,10 +151,11 @@ class Pipeline:
         """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""
         return _corpus_wildcards(self.transfer(variant))
 
-    def training_rows(self, model: str, variant: str, manifest: bool = False) -> str:
-        """The file of the variant's training rows (transfer, and a distilled LoRA stage): the packed
-        documents of data.transfer, or rows cut from the training books (transfer.corpus)."""
-        if self.transfer(variant)["corpus"] == "books":
+    def training_rows(self, model: str, variant: str, manifest: bool = False, corpus: str | None = None) -> str:
+        """The file of the variant's training rows of ``corpus`` (default: its transfer's,
+        transfer.corpus): the packed documents of data.transfer, or rows cut from the training books;
+        the variant's transfer sets their seq_len and num_tokens."""
+        if (corpus or self.transfer(variant)["corpus"]) == "books":
             name = "book_rows_manifest" if manifest else "book_rows"
         else:
             name = "transfer_manifest" if manifest else "transfer_corpus"
@@ -167,6 +168,18 @@ class Pipeline:
     def corpus_settings(self, seq_len: str, num_tokens: str) -> dict:
         """``prepare_transfer_corpus`` settings of the corpus with these wildcards."""
         return {**self.data_settings("transfer"), **self.book_rows_settings(seq_len, num_tokens)}
+
+    def lora_corpus(self, variant: str) -> str | None:
+        """The corpus a distilled LoRA stage trains on (lora.corpus, else the transfer's); None for an
+        instruction-tuned one."""
+        lora = self.lora(variant)
+        if variant == "base_lora" or lora["objective"] != "distill":
+            return None
+        return lora.get("corpus") or self.transfer(variant)["corpus"]
+
+    def lora_train(self, variant: str) -> dict:
+        """What ``run_finetune`` gets: the LoRA section without its corpus (which chose the data file)."""
+        return {k: v for k, v in self.lora(variant).items() if k != "corpus"}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings."""
@@ -308,19 +321,22 @@ class Pipeline:
     def corpus_files(
         self, model: str, variants: Iterable[str] | None = None, name: str = "transfer_corpus"
     ) -> list[str]:
-        """The packed-document corpora the variants train on (one per distinct seq_len/num_tokens; book
-        rows are not among them); when none does, the top-level transfer section's (perplexity reads
-        its held-out split and drops every document these list)."""
-        variants = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
-        corpora = [self.corpus(v) for v in variants if self.transfer(v)["corpus"] == "documents"]
+        """The packed-document corpora the variants train on, in transfer or distillation (one per
+        distinct seq_len/num_tokens; book rows are not among them); when none does, the top-level
+        transfer section's (perplexity reads its held-out split and drops every document these list)."""
+        transfers = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
+        loras = self.lora_slots() if variants is None else [self.lora_owner(v) for v in variants]
+        corpora = [self.corpus(v) for v in transfers if self.transfer(v)["corpus"] == "documents"]
+        corpora += [self.corpus(v) for v in loras if self.lora_corpus(v) == "documents"]
         corpora = corpora or [_corpus_wildcards(self.config["transfer"])]
         unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
         return [path(name, model=model, **dict(c)) for c in unique]
 
     def lora_data(self, model: str, variant: str) -> str:
         """The LoRA stage's data: instruction data, or the variant's transfer corpus (objective distill)."""
-        if variant != "base_lora" and self.lora(variant)["objective"] == "distill":
-            return self.training_rows(model, variant)
+        corpus = self.lora_corpus(variant)
+        if corpus is not None:
+            return self.training_rows(model, variant, corpus=corpus)
         return path("instruct_data", model=model)
 
     def lora_inputs(self, model: str, variant: str) -> dict[str, str]:
@@ -395,7 +411,7 @@ class Pipeline:
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
             "exports": [path("export", model=m, variant=v) for m in m_ for v, _ in self.export_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
-            + list(dict.fromkeys(self.training_rows(m, v, manifest=True)
+            + list(dict.fromkeys(self.training_rows(m, v, manifest=True, corpus="books")
                                  for m in m_ for v in long_context.trains_on_books(self)))
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
