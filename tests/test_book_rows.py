@@ -8,13 +8,16 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 from snakemake.utils import validate
 
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
-from hybrid_llama.data import DataError, book_row_plan, load_packed, prepare_book_rows, read_manifest
+from hybrid_llama.data import DataError, book_row_plan, load_packed, mix_rows, prepare_book_rows, read_manifest
 from hybrid_llama.pipeline import Pipeline, shared_data_dir
 from hybrid_llama.pipeline.long_context import trains_on_books
+from hybrid_llama.pipeline.paths import corpus_parts
 from hybrid_llama.train.settings import LoraSettings, TransferSettings
 from hybrid_llama.weights import BYTE_OFFSET, byte_tokenizer
 
@@ -100,6 +103,48 @@ def test_mirror_book_rows_hold_no_heldout_text(tmp_path):
         assert row[100:400] not in held
 
 
+# ----------------------------------------------------------------------------- a mixed corpus
+
+
+def _packed(path: Path, first: int, rows: int, kind: str, seq_len: int = 3) -> Path:
+    tokens = torch.arange(first, first + rows * seq_len, dtype=torch.int32).view(rows, seq_len)
+    save_file({"tokens": tokens}, str(path))
+    path.with_suffix(".json").write_text(json.dumps({"kind": kind}))
+    return path
+
+
+@pytest.mark.parametrize("rows, want", [
+    ((2, 2), [(0, 0), (1, 0), (0, 1), (1, 1)]),  # equal parts alternate
+    ((3, 1), [(0, 0), (0, 1), (1, 0), (0, 2)]),  # the smaller part's row sits in the middle, not at the end
+    ((1, 3), [(1, 0), (0, 0), (1, 1), (1, 2)]),
+])
+def test_mix_rows_interleaves_the_parts_rows_unchanged(tmp_path, rows, want):
+    parts = [_packed(tmp_path / "docs.safetensors", 0, rows[0], "transfer_corpus"),
+             _packed(tmp_path / "books.safetensors", 1000, rows[1], "book_rows")]
+    manifest = mix_rows(parts, tmp_path / "mixed.safetensors")
+    mixed, sources = load_packed(tmp_path / "mixed.safetensors"), [load_packed(p) for p in parts]
+    assert [tuple(r) for r in manifest["row_parts"]] == want
+    for got, (k, i) in zip(mixed, want):
+        assert torch.equal(got, sources[k][i])
+    assert read_manifest(tmp_path / "mixed.safetensors") == manifest
+    assert [(p["kind"], p["rows"]) for p in manifest["parts"]] == [("transfer_corpus", rows[0]), ("book_rows", rows[1])]
+    assert manifest["num_sequences"] == sum(rows) and manifest["token_count"] == 3 * sum(rows)
+
+
+def test_mix_rows_rejects_rows_of_different_lengths(tmp_path):
+    parts = [_packed(tmp_path / "a.safetensors", 0, 2, "x"), _packed(tmp_path / "b.safetensors", 0, 2, "x", seq_len=4)]
+    with pytest.raises(DataError, match=r"different lengths \[3, 4\]"):
+        mix_rows(parts, tmp_path / "mixed.safetensors")
+
+
+def test_corpus_parts_halve_the_tokens_of_a_mixed_corpus():
+    assert corpus_parts("books", "64", "1000") == {"books": {"seq_len": "64", "num_tokens": "1000"}}
+    assert corpus_parts("mixed", "64", "1001") == {"documents": {"seq_len": "64", "num_tokens": "500"},
+                                                   "books": {"seq_len": "64", "num_tokens": "501"}}
+    assert corpus_parts("mixed", "64", "all") == {"documents": {"seq_len": "64", "num_tokens": "all"},
+                                                  "books": {"seq_len": "64", "num_tokens": "all"}}
+
+
 # ----------------------------------------------------------------------------- the workflow
 
 
@@ -160,6 +205,28 @@ def test_a_variant_can_transfer_on_documents_and_distill_on_books():
     assert BOOK_ROWS + ".json" in p.report_inputs()["manifests"]
     # the held-out check still covers the documents the transfer packed
     assert DOCUMENT_ROWS + ".json" in p.corpus_files("smollm2", name="transfer_manifest")
+
+
+@needs_books
+def test_a_mixed_variant_trains_on_half_documents_half_book_rows():
+    p = Pipeline(_config({"corpus": "mixed"}), REPO)
+    p.check()
+    half = {"documents": "resources/data/transfer/smollm2/L2048_N32768",
+            "books": "resources/data/book_rows/smollm2/L2048_N32768"}
+    mixed = "resources/data/mixed_rows/smollm2/L2048_N65536.safetensors"
+    assert p.training_rows("smollm2", "lolcats") == p.lora_data("smollm2", "lolcats_sparse_distill") == mixed
+    assert p.mixed_inputs("smollm2", "2048", "65536") == {k: f + ".safetensors" for k, f in half.items()}
+    # the documents half is a training corpus for the held-out check; both halves' manifests reach the report
+    assert half["documents"] + ".json" in p.corpus_files("smollm2", name="transfer_manifest")
+    assert {half["documents"] + ".json", half["books"] + ".json"} <= set(p.report_inputs()["manifests"])
+    assert "lolcats" in trains_on_books(p)
+
+
+@needs_books
+def test_a_mixed_corpus_counts_the_rows_of_its_two_halves():
+    with pytest.raises(ConfigError, match=r"make 0 \+ 1 rows of seq_len 2048 \(mixed\)") as err:
+        Pipeline(_config({"corpus": "mixed", "num_tokens": 4095, "eval_sequences": 1, "batch_size": 1}), REPO).check()
+    assert err.value.key == "variants[lolcats].transfer.num_tokens"
 
 
 @needs_books

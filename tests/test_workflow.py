@@ -306,29 +306,35 @@ def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_
     _check_book_rows_plan(out.stdout, cfg, "resources/data/books")
 
 
-def _check_book_rows_plan(stdout: str, cfg: dict, where: str) -> None:
+def _check_book_rows_plan(stdout: str, cfg: dict, where: str, corpus: str = "books") -> None:
     """lc16 on transfer.corpus books: one book_rows job reads every book not held out (from ``where``)
-    and lc16's transfer and distillation read its rows; w16 keeps its packed documents."""
+    and lc16's transfer and distillation read its rows; w16 keeps its packed documents. On corpus
+    mixed, lc16's rows interleave 512 tokens of book rows with 512 of packed documents."""
     rules = sorted(r for r, _ in planned_jobs(stdout))
-    assert rules.count("book_rows") == 1 and rules.count("transfer_data") == 1  # w16's corpus only
+    mixed = corpus == "mixed"
+    assert rules.count("book_rows") == 1 and rules.count("transfer_data") == 1 + mixed  # w16's corpus (+ lc16's half)
     blocks = {b.split(":\n", 1)[0]: b for b in re.split(r"\n(?=rule )", stdout) if b.startswith("rule ")}
-    rows = "resources/data/book_rows/tiny/L128_N1024.safetensors"
     books = {f"{where}/{n}.txt" for n in cfg["data"]["books"]["names"] if n != "pg5200"}  # pg5200 is held out
     inputs = blocks["rule book_rows"].split("    input: ", 1)[1].split("\n", 1)[0].split(", ")
     assert inputs[0] == "resources/weights/tiny/config.json" and set(inputs[1:]) == books
+    rows = f"resources/data/{'mixed' if mixed else 'book'}_rows/tiny/L128_N1024.safetensors"
+    if mixed:
+        assert rules.count("mixed_rows") == 1
+        assert f"    input: resources/data/transfer/tiny/L128_N512.safetensors, resources/data/book_rows/tiny/" \
+               f"L128_N512.safetensors\n    output: {rows}," in blocks["rule mixed_rows"]
     for rule, output in (("transfer", "results/tiny/lc16/transfer/"), ("lora", "results/tiny/lc16/lora/")):
         block = stdout.split(f"rule {rule}:\n")
         assert any(output in b.split("\n\n", 1)[0] and rows in b.split("\n\n", 1)[0] for b in block[1:]), rule
 
 
-def test_a_variant_on_books_trains_and_distills_on_rows_of_the_mirrors_training_books(wf_copy, tmp_path):
+def test_a_variant_on_a_mixed_corpus_trains_and_distills_on_documents_and_the_mirrors_book_rows(wf_copy, tmp_path):
     cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
-    cfg["variants"][1]["transfer"]["corpus"] = "books"
+    cfg["variants"][1]["transfer"]["corpus"] = "mixed"
     file = tmp_path / "books_local.yaml"
     file.write_text(yaml.safe_dump(cfg))
     out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    _check_book_rows_plan(out.stdout, cfg, str(SHARED / "gutenberg"))
+    _check_book_rows_plan(out.stdout, cfg, str(SHARED / "gutenberg"), corpus="mixed")
 
 
 _PARSE_PROBE = """

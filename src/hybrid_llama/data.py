@@ -40,6 +40,7 @@ __all__ = [
     "iter_documents",
     "iter_rows",
     "prepare_transfer_corpus",
+    "mix_rows",
     "prepare_book_rows",
     "book_row_plan",
     "load_packed",
@@ -244,6 +245,31 @@ def prepare_book_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, 
         "tokenizer": _tokenizer_name(tok),
         "doc_hash": "sha256(utf-8 text, boilerplate cut)",
         "doc_hashes": [doc_hash(t) for t in texts],
+    }
+    _write_outputs(Path(out_path), {"tokens": tokens}, manifest)
+    return manifest
+
+
+def mix_rows(parts: list[str | os.PathLike], out_path: str | os.PathLike) -> dict:
+    """Interleave the rows of packed files (``load_packed``, equal row lengths) into one, each part's
+    rows spread evenly over the result, so that every stretch of rows, the last ones (a stage's
+    validation rows) included, holds each part; returns the manifest, which names each part's
+    manifest and the part and row of every row."""
+    loaded = [load_packed(p) for p in parts]
+    lengths = {t.shape[1] for t in loaded}
+    if len(lengths) != 1:
+        raise DataError(f"rows of different lengths {sorted(lengths)} cannot be mixed: {[str(p) for p in parts]}")
+    order = sorted(((k, i) for k, t in enumerate(loaded) for i in range(len(t))),
+                   key=lambda r: ((r[1] + 0.5) / len(loaded[r[0]]), r[0]))
+    tokens = torch.stack([loaded[k][i] for k, i in order]).to(torch.int32)
+    manifest = {
+        "kind": "mixed_rows",
+        "seq_len": lengths.pop(),
+        "token_count": tokens.numel(),
+        "num_sequences": len(order),
+        "parts": [{"manifest": str(_manifest_path(p)), "kind": read_manifest(p)["kind"], "rows": len(t)}
+                  for p, t in zip(parts, loaded)],
+        "row_parts": [[k, i] for k, i in order],
     }
     _write_outputs(Path(out_path), {"tokens": tokens}, manifest)
     return manifest

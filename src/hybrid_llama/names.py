@@ -21,3 +21,5 @@ MMLU_FORMATS = ("mc", "cloze")
 # The transfer section's keys that choose the training rows (a file of their own, built before
 # training) rather than how training runs.
 CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")
+# The row files each training corpus is made of: a mixed corpus takes half its tokens from each.
+CORPUS_PARTS = {"documents": ("documents",), "books": ("books",), "mixed": ("documents", "books")}

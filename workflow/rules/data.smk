@@ -57,6 +57,27 @@ rule book_rows:
         "../scripts/book_rows.py"
 
 
+# transfer.corpus (or lora.corpus) mixed: half the tokens packed documents, half book rows.
+rule mixed_rows:
+    input:
+        unpack(
+            lambda wildcards: P.mixed_inputs(
+                wildcards.model, wildcards.seq_len, wildcards.num_tokens
+            )
+        ),
+    output:
+        tokens=path("mixed_rows"),
+        manifest=path("mixed_rows_manifest"),
+    log:
+        log_of("mixed_rows/{model}/L{seq_len}_N{num_tokens}"),
+    benchmark:
+        benchmark_of("mixed_rows/{model}/L{seq_len}_N{num_tokens}")
+    conda:
+        "../../envs/train.yaml"
+    script:
+        "../scripts/mixed_rows.py"
+
+
 rule instruct_data:
     input:
         weights=weights,

@@ -14,7 +14,7 @@ from hybrid_llama.config import ConfigError
 from hybrid_llama.weights import known_architecture
 
 from .long_context import check_long_context
-from .paths import path
+from .paths import corpus_parts, path
 
 if TYPE_CHECKING:  # views imports this module; the checks only read a Pipeline
     from .views import Pipeline
@@ -144,16 +144,17 @@ def _check_training(p: Pipeline, v: str) -> None:
                               f"{t['max_position']} is shorter than a training row (seq_len {t['seq_len']}); use 0 "
                               f"or at least {t['seq_len']}")
         if t["num_tokens"] is not None:
-            rows = t["num_tokens"] // t["seq_len"]
-            need = {"transfer": t["eval_sequences"] + t["batch_size"]}
-            if p.trained(v, "transfer_lora") and lora["objective"] == "distill":
-                need["LoRA (objective distill)"] = lora["eval_sequences"] + lora["batch_size"]
-            for what, n in need.items():
-                if rows < n:
+            need = {"transfer": (t["corpus"], t["eval_sequences"] + t["batch_size"])}
+            if p.trained(v, "transfer_lora") and p.lora_corpus(v):
+                need["LoRA (objective distill)"] = (p.lora_corpus(v), lora["eval_sequences"] + lora["batch_size"])
+            for what, (corpus, n) in need.items():
+                parts = corpus_parts(corpus, str(t["seq_len"]), str(t["num_tokens"]))
+                rows = [int(wc["num_tokens"]) // t["seq_len"] for wc in parts.values()]
+                if sum(rows) < n:  # (two halves with 2+ rows in all hold a row each)
                     raise ConfigError(
                         _key(p, v, "transfer", "num_tokens"),
-                        f"{t['num_tokens']} tokens make {rows} rows of seq_len {t['seq_len']}; {what} of variant "
-                        f"'{v}' needs at least {n} (eval_sequences + one batch)",
+                        f"{t['num_tokens']} tokens make {' + '.join(map(str, rows))} rows of seq_len {t['seq_len']} "
+                        f"({corpus}); {what} of variant '{v}' needs at least {n} (eval_sequences + one batch)",
                     )
     for section, stage, settings in (("transfer", "transfer", t), ("lora", "transfer_lora", lora)):
         if p.trained(v, stage) and settings["max_position"]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_llama.books import book_names, gutenberg_id
 from hybrid_llama.config import canonical
+from hybrid_llama.names import CORPUS_PARTS
 
 from .paths import LONG_CONTEXT_KINDS, PATHS, path
 
@@ -107,9 +108,10 @@ def training_book_files(p: Pipeline) -> list[str]:
 
 
 def trains_on_books(p: Pipeline) -> list[str]:
-    """The variants whose transfer or distillation rows are cut from the training books."""
-    transfers = [v for v in p.transfer_slots() if p.transfer(v)["corpus"] == "books"]
-    return list(dict.fromkeys(transfers + [v for v in p.lora_slots() if p.lora_corpus(v) == "books"]))
+    """The variants whose transfer or distillation rows are cut (all or half) from the training books."""
+    transfers = [v for v in p.transfer_slots() if "books" in CORPUS_PARTS[p.transfer(v)["corpus"]]]
+    distills = [v for v in p.lora_slots() if "books" in CORPUS_PARTS.get(p.lora_corpus(v), ())]
+    return list(dict.fromkeys(transfers + distills))
 
 
 def uses_books(p: Pipeline) -> bool:

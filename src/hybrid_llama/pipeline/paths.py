@@ -15,10 +15,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.names import MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES, VARIANT_STAGES
+from hybrid_llama.names import CORPUS_PARTS, MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES, VARIANT_STAGES
 
 __all__ = [
     "MMLU_FORMATS",
+    "ROW_FILES",
     "PATHS",
     "LONG_CONTEXT_KINDS",
     "QUALITY_KINDS",
@@ -28,6 +29,7 @@ __all__ = [
     "STAGE_LABELS",
     "VARIANT_STAGES",
     "WILDCARD_PATTERNS",
+    "corpus_parts",
     "is_cuda",
     "parse_result_path",
     "path",
@@ -58,6 +60,9 @@ PATHS: dict[str, str] = {
     # Rows cut from the training books (transfer.corpus: books), one file per (seq_len, num_tokens).
     "book_rows": "resources/data/book_rows/{model}/L{seq_len}_N{num_tokens}.safetensors",
     "book_rows_manifest": "resources/data/book_rows/{model}/L{seq_len}_N{num_tokens}.json",
+    # transfer.corpus mixed: half the tokens from each of the two files above, rows interleaved
+    "mixed_rows": "resources/data/mixed_rows/{model}/L{seq_len}_N{num_tokens}.safetensors",
+    "mixed_rows_manifest": "resources/data/mixed_rows/{model}/L{seq_len}_N{num_tokens}.json",
     "instruct_data": "resources/data/instruct/{model}.safetensors",
     "instruct_manifest": "resources/data/instruct/{model}.json",
     "mmlu_manifest": "resources/data/mmlu/manifest.json",
@@ -99,6 +104,20 @@ PATHS: dict[str, str] = {
     "benchmark": "logs/benchmarks/{job}.tsv",
     "checkpoints": "resources/checkpoints/{kind}/{model}/{variant}/{key}",
 }
+
+# The row file of each corpus (its manifest: the same name with "_manifest").
+ROW_FILES = {"documents": "transfer_corpus", "books": "book_rows", "mixed": "mixed_rows"}
+
+
+def corpus_parts(corpus: str, seq_len: str, num_tokens: str) -> dict[str, dict[str, str]]:
+    """The row files a corpus is made of, as ``{part: wildcards}``: its documents or its books, or for
+    'mixed' half the tokens from each (the documents the first half; "all" = every row of both)."""
+    parts = CORPUS_PARTS[corpus]
+    if len(parts) == 1 or num_tokens == "all":
+        return {part: {"seq_len": seq_len, "num_tokens": num_tokens} for part in parts}
+    half = int(num_tokens) // 2
+    return {part: {"seq_len": seq_len, "num_tokens": str(n)} for part, n in zip(parts, (half, int(num_tokens) - half))}
+
 
 # What each wildcard may look like (names come from the config, checked against this pattern by the
 # schema). Results are matched most specific first, so e.g. a plot is never read as a stage file.

@@ -18,7 +18,16 @@ from hybrid_llama.names import CORPUS_KEYS, MMLU_FORMATS, SHARED_STAGES, STAGES,
 
 from . import long_context
 from .checks import check_config
-from .paths import PATHS, QUALITY_KINDS, STAGE_ARTIFACTS, WILDCARD_PATTERNS, path, shared_data_dir
+from .paths import (
+    PATHS,
+    QUALITY_KINDS,
+    ROW_FILES,
+    STAGE_ARTIFACTS,
+    WILDCARD_PATTERNS,
+    corpus_parts,
+    path,
+    shared_data_dir,
+)
 from .variants import lora_owner, resolve_variants, transfer_owner
 
 __all__ = ["Pipeline"]
@@ -155,11 +164,23 @@ class Pipeline:
         """The file of the variant's training rows of ``corpus`` (default: its transfer's,
         transfer.corpus): the packed documents of data.transfer, or rows cut from the training books;
         the variant's transfer sets their seq_len and num_tokens."""
-        if (corpus or self.transfer(variant)["corpus"]) == "books":
-            name = "book_rows_manifest" if manifest else "book_rows"
-        else:
-            name = "transfer_manifest" if manifest else "transfer_corpus"
-        return path(name, model=model, **self.corpus(variant))
+        name = ROW_FILES[corpus or self.transfer(variant)["corpus"]]
+        return path(f"{name}_manifest" if manifest else name, model=model, **self.corpus(variant))
+
+    def mixed_inputs(self, model: str, seq_len: str, num_tokens: str) -> dict[str, str]:
+        """The two row files a mixed corpus interleaves: ``{documents, books}``."""
+        return {part: path(ROW_FILES[part], model=model, **wildcards)
+                for part, wildcards in corpus_parts("mixed", seq_len, num_tokens).items()}
+
+    def trained_parts(self, variants: Iterable[str] | None = None) -> list[tuple[str, dict[str, str]]]:
+        """``(part, wildcards)`` of every documents or books row file the variants' transfers and
+        distillations read, once each (default: every variant trained)."""
+        transfers = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
+        loras = self.lora_slots() if variants is None else [self.lora_owner(v) for v in variants]
+        corpora = [(self.transfer(v)["corpus"], self.corpus(v)) for v in transfers]
+        corpora += [(self.lora_corpus(v), self.corpus(v)) for v in loras if self.lora_corpus(v)]
+        parts = [(part, wc) for corpus, c in corpora for part, wc in corpus_parts(corpus, **c).items()]
+        return [p for i, p in enumerate(parts) if p not in parts[:i]]
 
     def book_rows_settings(self, seq_len: str, num_tokens: str) -> dict:
         """``prepare_book_rows`` settings of the book rows with these wildcards (num_tokens "all" = None)."""
@@ -324,10 +345,7 @@ class Pipeline:
         """The packed-document corpora the variants train on, in transfer or distillation (one per
         distinct seq_len/num_tokens; book rows are not among them); when none does, the top-level
         transfer section's (perplexity reads its held-out split and drops every document these list)."""
-        transfers = self.transfer_slots() if variants is None else [self.transfer_owner(v) for v in variants]
-        loras = self.lora_slots() if variants is None else [self.lora_owner(v) for v in variants]
-        corpora = [self.corpus(v) for v in transfers if self.transfer(v)["corpus"] == "documents"]
-        corpora += [self.corpus(v) for v in loras if self.lora_corpus(v) == "documents"]
+        corpora = [wc for part, wc in self.trained_parts(variants) if part == "documents"]
         corpora = corpora or [_corpus_wildcards(self.config["transfer"])]
         unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
         return [path(name, model=model, **dict(c)) for c in unique]
@@ -411,8 +429,8 @@ class Pipeline:
             "lora_metrics": [path("lora_metrics", model=m, variant=s) for m in m_ for s in self.lora_slots()],
             "exports": [path("export", model=m, variant=v) for m in m_ for v, _ in self.export_slots()],
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
-            + list(dict.fromkeys(self.training_rows(m, v, manifest=True, corpus="books")
-                                 for m in m_ for v in long_context.trains_on_books(self)))
+            + [path("book_rows_manifest", model=m, **wc) for m in m_ for part, wc in self.trained_parts()
+               if part == "books"]
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
 
