@@ -351,7 +351,8 @@ class Pipeline:
         return [path(name, model=model, **dict(c)) for c in unique]
 
     def lora_data(self, model: str, variant: str) -> str:
-        """The LoRA stage's data: instruction data, or the variant's transfer corpus (objective distill)."""
+        """The LoRA stage's data: instruction data, or the rows of its corpus (objective distill: lora.corpus,
+        else the transfer's)."""
         corpus = self.lora_corpus(variant)
         if corpus is not None:
             return self.training_rows(model, variant, corpus=corpus)
