@@ -345,10 +345,8 @@ class Pipeline:
         """The packed-document corpora the variants train on, in transfer or distillation (one per
         distinct seq_len/num_tokens; book rows are not among them); when none does, the top-level
         transfer section's (perplexity reads its held-out split and drops every document these list)."""
-        corpora = [wc for part, wc in self.trained_parts(variants) if part == "documents"]
-        corpora = corpora or [_corpus_wildcards(self.config["transfer"])]
-        unique = list(dict.fromkeys(tuple(sorted(c.items())) for c in corpora))
-        return [path(name, model=model, **dict(c)) for c in unique]
+        corpora = [wc for part, wc in self.trained_parts(variants) if part == "documents"]  # each once
+        return [path(name, model=model, **c) for c in corpora or [_corpus_wildcards(self.config["transfer"])]]
 
     def lora_data(self, model: str, variant: str) -> str:
         """The LoRA stage's data: instruction data, or the rows of its corpus (objective distill: lora.corpus,
