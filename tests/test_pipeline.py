@@ -36,7 +36,7 @@ def make(cfg: dict | None = None, **overrides) -> Pipeline:
 
 SAMPLE = {"model": "smollm2", "variant": "even_w64", "stage": "transfer_lora", "device": "cuda:1-h100",
           "fmt": "cloze", "shots": "5", "kind": "perplexity", "job": "transfer/smollm2/even_w64",
-          "seq_len": "2048", "num_tokens": "65536", "book": "pg1342",
+          "seq_len": "2048", "num_tokens": "65536", "book": "pg1342", "rows": "8", "facts": "4",
           "key": "0123456789ab"}
 
 

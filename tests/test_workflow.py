@@ -328,13 +328,24 @@ def _check_book_rows_plan(stdout: str, cfg: dict, where: str, corpus: str = "boo
 
 
 def test_a_variant_on_a_mixed_corpus_trains_and_distills_on_documents_and_the_mirrors_book_rows(wf_copy, tmp_path):
+    """... and its distillation adds recall rows, built once from the training books."""
     cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
     cfg["variants"][1]["transfer"]["corpus"] = "mixed"
+    cfg["variants"][1]["lora"].update(recall_rows=2, recall_facts=1, recall_seq_len=128, answer_weight=5)
     file = tmp_path / "books_local.yaml"
     file.write_text(yaml.safe_dump(cfg))
     out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     _check_book_rows_plan(out.stdout, cfg, str(SHARED / "gutenberg"), corpus="mixed")
+    blocks = [b for b in re.split(r"\n(?=\[)", out.stdout) if re.search(r"^rule (recall_rows|lora):$", b, re.M)]
+    recall = "resources/data/recall_rows/tiny/L128_R2_F1.safetensors"
+    built = [b for b in blocks if "rule recall_rows:" in b]
+    assert len(built) == 1 and f"output: {recall}," in built[0]
+    inputs = built[0].split("    input: ", 1)[1].split("\n", 1)[0].split(", ")
+    books = {str(SHARED / "gutenberg" / f"{n}.txt") for n in cfg["data"]["books"]["names"] if n != "pg5200"}
+    assert inputs[0] == "resources/weights/tiny/config.json" and set(inputs[1:]) == books
+    lora = [b for b in blocks if "rule lora:" in b and "results/tiny/lc16/lora/" in b]
+    assert len(lora) == 1 and recall in lora[0].split("output:", 1)[0]
 
 
 _PARSE_PROBE = """

@@ -78,6 +78,27 @@ rule mixed_rows:
         "../scripts/mixed_rows.py"
 
 
+# lora.recall_rows: running text of the training books with facts set in it and asked for at the
+# row's end, for a distillation that weighs the answers (one file per seq_len x rows x facts).
+rule recall_rows:
+    input:
+        weights=weights,
+        books=P.training_book_files(),
+    output:
+        tokens=path("recall_rows"),
+        manifest=path("recall_rows_manifest"),
+    log:
+        log_of("recall_rows/{model}/L{seq_len}_R{rows}_F{facts}"),
+    benchmark:
+        benchmark_of("recall_rows/{model}/L{seq_len}_R{rows}_F{facts}")
+    conda:
+        "../../envs/train.yaml"
+    params:
+        books=P.books_source(),
+    script:
+        "../scripts/recall_rows.py"
+
+
 rule instruct_data:
     input:
         weights=weights,

@@ -19,5 +19,6 @@ with training_checkpoints(snakemake, "lora", getattr(w, "variant", "base_lora"),
         hybrid=dict(hybrid) if hybrid else None,
         hybrid_layers=getattr(snakemake.input, "layers", None),
         teacher_states=getattr(snakemake.input, "teacher_states", None),
+        recall_rows=getattr(snakemake.input, "recall", None),
     )
 print(json.dumps(metrics, indent=1, default=str))

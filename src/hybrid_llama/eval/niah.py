@@ -72,6 +72,27 @@ def _snap(cut: int, starts: Sequence[int], n: int) -> int:
     return after[0] if after else before[-1] if before else cut
 
 
+def insert_pieces(tokenizer, haystack: Sequence[int], pieces: Sequence[Sequence[int]], depths: Sequence[float],
+                  *, snap: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    """``haystack`` with ``pieces[i]`` inserted at ``depths[i]`` of it (a share of the haystack before
+    it; with ``snap``, moved to the next sentence start). Returns (ids, spans) with ids[start:end]
+    the tokens of piece i for ``spans[i] = (start, end)``."""
+    n = len(haystack)
+    cuts = [round(float(d) * n) for d in depths]
+    if snap:
+        starts = sentence_starts(tokenizer, haystack)
+        cuts = [_snap(c, starts, n) for c in cuts]
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = [(0, 0)] * len(pieces)
+    pos = 0
+    for i in sorted(range(len(pieces)), key=lambda i: (cuts[i], i)):
+        ids += haystack[pos : cuts[i]]
+        pos = cuts[i]
+        spans[i] = (len(ids), len(ids) + len(pieces[i]))
+        ids += pieces[i]
+    return ids + list(haystack[pos:]), spans
+
+
 def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str, str]], depths: Sequence[float],
                      query: int, haystack: Sequence[int], snap: bool = True) -> tuple[list[int], tuple[int, int]]:
     """A prompt of exactly ``context_len`` tokens: [BOS] intro, the haystack with needle i inserted
@@ -89,18 +110,9 @@ def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str
     hay = list(haystack[:n_hay])
     if len(hay) < n_hay:
         raise ValueError(f"haystack has {len(haystack)} tokens, the prompt needs {n_hay}")
-    cuts = [round(float(d) * n_hay) for d in depths]
-    if snap:
-        starts = sentence_starts(tokenizer, hay)
-        cuts = [_snap(c, starts, n_hay) for c in cuts]
-    ids, pos, span = list(head), 0, (0, 0)
-    for i in sorted(range(len(needles)), key=lambda i: (cuts[i], i)):
-        ids += hay[pos : cuts[i]]
-        pos = cuts[i]
-        if i == query:
-            span = (len(ids), len(ids) + len(pieces[i]))
-        ids += pieces[i]
-    ids += hay[pos:] + question
+    ids, spans = insert_pieces(tokenizer, hay, pieces, depths, snap=snap)
+    ids = head + ids + question
+    span = (len(head) + spans[query][0], len(head) + spans[query][1])
     assert len(ids) == context_len
     return ids, span
 

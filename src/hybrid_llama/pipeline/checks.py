@@ -169,8 +169,18 @@ def _check_training(p: Pipeline, v: str) -> None:
         raise ConfigError(_key(p, v, "lora", "corpus"),
                           f"'{lora['corpus']}' chooses distillation rows, but variant '{v}' finetunes with "
                           f"objective '{lora['objective']}'")
+    if lora["recall_rows"] and lora["objective"] != "distill":
+        raise ConfigError(_key(p, v, "lora", "recall_rows"),
+                          f"recall rows train a distilled stage, but variant '{v}' finetunes with objective "
+                          f"'{lora['objective']}'")
+    if lora["recall_rows"] and lora["recall_seq_len"] not in (None, t["seq_len"]) and lora["batch_size"] > 1:
+        raise ConfigError(_key(p, v, "lora", "recall_seq_len"),
+                          f"recall rows of {lora['recall_seq_len']} tokens cannot share a batch of "
+                          f"{lora['batch_size']} with rows of {t['seq_len']}: set lora.batch_size 1")
     if "base_lora" in p.stages and p.lora("base_lora").get("corpus"):
         raise ConfigError("base_lora.corpus", "the base + LoRA control finetunes on instruction data")
+    if "base_lora" in p.stages and p.lora("base_lora")["recall_rows"]:
+        raise ConfigError("base_lora.recall_rows", "the base + LoRA control finetunes on instruction data")
     if "base_lora" in p.stages and p.lora("base_lora")["objective"] != "instruct":
         raise ConfigError("base_lora.objective", "the base + LoRA control finetunes on instruction data ('instruct')")
 

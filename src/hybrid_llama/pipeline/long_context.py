@@ -108,9 +108,11 @@ def training_book_files(p: Pipeline) -> list[str]:
 
 
 def trains_on_books(p: Pipeline) -> list[str]:
-    """The variants whose transfer or distillation rows are cut (all or half) from the training books."""
+    """The variants whose transfer or distillation rows are cut (all or half) from the training books,
+    or whose distillation adds recall rows (which are set in the training books too)."""
     transfers = [v for v in p.transfer_slots() if "books" in CORPUS_PARTS[p.transfer(v)["corpus"]]]
-    distills = [v for v in p.lora_slots() if "books" in CORPUS_PARTS.get(p.lora_corpus(v), ())]
+    distills = [v for v in p.lora_slots() if "books" in CORPUS_PARTS.get(p.lora_corpus(v), ())
+                or p.recall_wildcards(v) is not None]
     return list(dict.fromkeys(transfers + distills))
 
 

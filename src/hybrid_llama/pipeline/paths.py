@@ -63,6 +63,9 @@ PATHS: dict[str, str] = {
     # transfer.corpus mixed: half the tokens from each of the two files above, rows interleaved
     "mixed_rows": "resources/data/mixed_rows/{model}/L{seq_len}_N{num_tokens}.safetensors",
     "mixed_rows_manifest": "resources/data/mixed_rows/{model}/L{seq_len}_N{num_tokens}.json",
+    # lora.recall_rows: facts set in training-book text and asked for at the row's end
+    "recall_rows": "resources/data/recall_rows/{model}/L{seq_len}_R{rows}_F{facts}.safetensors",
+    "recall_rows_manifest": "resources/data/recall_rows/{model}/L{seq_len}_R{rows}_F{facts}.json",
     "instruct_data": "resources/data/instruct/{model}.safetensors",
     "instruct_manifest": "resources/data/instruct/{model}.json",
     "mmlu_manifest": "resources/data/mmlu/manifest.json",
@@ -131,6 +134,8 @@ WILDCARD_PATTERNS = {
     "kind": r"[a-z_]+",
     "seq_len": r"\d+",
     "num_tokens": r"\d+|all",
+    "rows": r"\d+",
+    "facts": r"\d+",
     "book": r"[A-Za-z0-9][A-Za-z0-9_.-]*",  # a file stem, as data.books names it
     "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
     "key": r"[0-9a-f]+",

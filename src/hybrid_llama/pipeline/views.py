@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_llama.config import ConfigError, canonical, deep_merge, without_unused_hybrid_keys
-from hybrid_llama.names import CORPUS_KEYS, MMLU_FORMATS, SHARED_STAGES, STAGES, VARIANT_STAGES
+from hybrid_llama.names import CORPUS_KEYS, MMLU_FORMATS, RECALL_KEYS, SHARED_STAGES, STAGES, VARIANT_STAGES
 
 from . import long_context
 from .checks import check_config
@@ -199,8 +199,20 @@ class Pipeline:
         return lora.get("corpus") or self.transfer(variant)["corpus"]
 
     def lora_train(self, variant: str) -> dict:
-        """What ``run_finetune`` gets: the LoRA section without its corpus (which chose the data file)."""
-        return {k: v for k, v in self.lora(variant).items() if k != "corpus"}
+        """What ``run_finetune`` gets: the LoRA section without its corpus (which chose the data file),
+        and without the recall keys when it trains no recall rows (so that a stage's params, and
+        snakemake's rerun decision, stay what they were before those keys existed)."""
+        lora = self.lora(variant)
+        drop = {"corpus"} | (set() if lora.get("recall_rows") else set(RECALL_KEYS))
+        return {k: v for k, v in lora.items() if k not in drop}
+
+    def recall_wildcards(self, variant: str) -> dict[str, str] | None:
+        """``{seq_len, rows, facts}`` of the recall rows a distilled LoRA stage trains on (None: none)."""
+        lora = self.lora(variant)
+        if not self.lora_corpus(variant) or not lora["recall_rows"]:
+            return None
+        seq_len = lora["recall_seq_len"] or self.transfer(variant)["seq_len"]
+        return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]), "facts": str(lora["recall_facts"])}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings."""
@@ -359,8 +371,10 @@ class Pipeline:
     def lora_inputs(self, model: str, variant: str) -> dict[str, str]:
         """The transfer artifacts a variant's LoRA stage starts from (its transfer owner's)."""
         owner = self.transfer_owner(variant)
-        return {a: path(f, model=model, variant=owner) for a, f in (("layers", "hybrid_layers"),
-                                                                    ("teacher_states", "teacher_states"))}
+        inputs = {a: path(f, model=model, variant=owner) for a, f in (("layers", "hybrid_layers"),
+                                                                      ("teacher_states", "teacher_states"))}
+        recall = self.recall_wildcards(variant)
+        return inputs if recall is None else {**inputs, "recall": path("recall_rows", model=model, **recall)}
 
     # ---- targets
 
@@ -430,8 +444,13 @@ class Pipeline:
             "manifests": [f for m in m_ for f in self.corpus_files(m, name="transfer_manifest")]
             + [path("book_rows_manifest", model=m, **wc) for m in m_ for part, wc in self.trained_parts()
                if part == "books"]
+            + [path("recall_rows_manifest", model=m, **wc) for m in m_ for wc in self._recall_files()]
             + [path("instruct_manifest", model=m) for m in m_ if self._uses_instruct()],
         }
+
+    def _recall_files(self) -> list[dict[str, str]]:
+        wildcards = [self.recall_wildcards(s) for s in self.lora_slots()]
+        return [wc for i, wc in enumerate(wildcards) if wc is not None and wc not in wildcards[:i]]
 
     def _uses_instruct(self) -> bool:
         return any(s == "base_lora" or self.lora(s)["objective"] == "instruct" for s in self.lora_slots())
@@ -447,4 +466,6 @@ class Pipeline:
             "shots": WILDCARD_PATTERNS["shots"],
             "seq_len": WILDCARD_PATTERNS["seq_len"],
             "num_tokens": WILDCARD_PATTERNS["num_tokens"],
+            "rows": WILDCARD_PATTERNS["rows"],
+            "facts": WILDCARD_PATTERNS["facts"],
         }

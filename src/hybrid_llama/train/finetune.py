@@ -104,6 +104,7 @@ def run_finetune(
     hybrid: Any = None,
     hybrid_layers: str | os.PathLike | None = None,
     teacher_states: str | os.PathLike | None = None,
+    recall_rows: str | os.PathLike | None = None,
     callback: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict:
     """LoRA-finetune the base (``hybrid=None``) or hybrid model; returns the metrics dict.
@@ -116,6 +117,8 @@ def run_finetune(
     transferred model; ``hybrid`` without ``hybrid_layers`` converts without transfer.
     ``teacher_states``: ``run_transfer``'s ``teacher_states.safetensors``; for "distill", training
     rows found there skip the teacher's forward (``hybrid_llama.train.teacher_states``).
+    ``recall_rows``: a ``prepare_recall_rows`` file of ``lora.recall_rows`` rows, trained beside the
+    corpus rows with their answer positions weighted by ``lora.answer_weight`` (objective distill).
     ``lora``: the keys of the config schema's ``lora`` section (config/schema.yaml documents each
     one; missing keys take the schema's defaults, ``FINETUNE_DEFAULTS``), plus the run options
     checkpoint_dir (None = out_dir/checkpoints), resume and progress. LoRA goes on ``layers`` when
@@ -144,13 +147,14 @@ def run_finetune(
     check_max_position(int(s.max_position), 1, positions, "lora.max_position")
     shift = {"max_position": int(s.max_position), "seed": int(s.loop.seed)}
     objective: TokenObjective
+    _check_recall_rows(s, recall_rows)
     if s.objective == "distill":
         if hcfg is None:
             raise ValueError("lora.objective 'distill' trains a hybrid model towards its base model: give hybrid=")
         teacher, _ = load_base(model_dir, dtype=dtype, device=device)
         objective = DistillObjective(model, data_path, teacher.requires_grad_(False), eval_sequences=s.eval_sequences,
                                      teacher_states=teacher_states, batch_size=bs, device=device, amp=amp,
-                                     **shift)
+                                     recall_rows=recall_rows, answer_weight=s.answer_weight, **shift)
     else:
         objective = InstructObjective(model, data_path, max_length=s.max_length,
                                       max_val_examples=s.max_val_examples, batch_size=bs, device=device, amp=amp,
@@ -176,6 +180,7 @@ def run_finetune(
         "teacher_forwards": objective.teacher_forwards,
         "num_train": objective.num_rows,
         "num_val": objective.split_rows("val"),
+        "num_recall_rows": 0 if recall_rows is None else s.recall_rows,
         "target_modules": targets,
         "modules_to_save": save,
         "num_trainable_params": sum(p.numel() for _, p in named),
@@ -187,6 +192,25 @@ def run_finetune(
     }
     atomic_write(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     return metrics
+
+
+def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
+    """The recall-rows file must be the one lora.recall_rows / recall_facts / recall_seq_len describe."""
+    if s.recall_rows == 0:
+        if path is not None:
+            raise ValueError("recall rows given but lora.recall_rows is 0")
+        return
+    if s.objective != "distill":
+        raise ValueError("lora.recall_rows: recall rows train a distilled stage (lora.objective distill)")
+    if path is None:
+        raise ValueError(f"lora.recall_rows={s.recall_rows}: give the recall-rows file (recall_rows=)")
+    from hybrid_llama.data import read_manifest
+
+    m = read_manifest(path)
+    got = (m.get("num_sequences"), m.get("facts_per_row"))
+    if got != (s.recall_rows, s.recall_facts) or (s.recall_seq_len not in (None, m.get("seq_len"))):
+        raise ValueError(f"{path} holds {got[0]} rows of {got[1]} facts and {m.get('seq_len')} tokens; lora asks "
+                         f"for {s.recall_rows} of {s.recall_facts} facts and {s.recall_seq_len or 'any'} tokens")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,12 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--hybrid-layers", default=None, help="hybrid_layers.safetensors from the transfer stage")
     ap.add_argument("--teacher-states", default=None, help="teacher_states.safetensors from the transfer stage")
+    ap.add_argument("--recall-rows", default=None, help="recall rows (hybrid_llama.recall_rows) for lora.recall_rows")
     ap.add_argument("--lora", default="{}", help="JSON dict of lora keys (config/schema.yaml: lora)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     m = run_finetune(
         a.model_dir, a.data, json.loads(a.lora), a.out, hybrid=hybrid_from_arguments(a), hybrid_layers=a.hybrid_layers,
-        teacher_states=a.teacher_states,
+        teacher_states=a.teacher_states, recall_rows=a.recall_rows,
     )
     print(json.dumps({k: m[k] for k in ("val_loss_before", "val_loss_after", "wall_time_s", "tokens_per_s")}, indent=1))
 

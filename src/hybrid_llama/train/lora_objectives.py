@@ -3,7 +3,8 @@
 - :class:`InstructObjective`: next-token cross-entropy on the responses of instruction data (Dolly),
   as the published recreation finetunes;
 - :class:`DistillObjective`: the KL divergence from the frozen base model's next-token distribution
-  to the hybrid model's, on rows of the transfer corpus. Where attention transfer matches each layer
+  to the hybrid model's, on rows of the transfer corpus (plus, optionally, recall rows whose answer
+  positions weigh more: ``hybrid_llama.recall_rows``). Where attention transfer matches each layer
   on its own, this trains the layers together on what the model outputs, which is what held-out
   perplexity measures.
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
+from hybrid_llama.recall_rows import answer_positions, load_recall_rows
 from hybrid_llama.train.compute import autocast, autocast_active
 from hybrid_llama.train.errors import NonFiniteError
 from hybrid_llama.train.positions import position_ids, row_offsets
@@ -63,8 +65,9 @@ class TokenObjective(Objective):
         """Rows ``idx`` (indices or a slice) of ``split`` on the device, with an ``attention_mask``."""
 
     @abstractmethod
-    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
-        """The loss summed over the batch's scored tokens, and their count."""
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
+        """The loss summed over the batch's scored tokens, and their count (their summed weight,
+        where positions are weighted)."""
 
     @property
     def num_rows(self) -> int:
@@ -149,7 +152,7 @@ class InstructObjective(TokenObjective):
     def batch(self, split: str, idx: Any) -> Batch:
         return _trim({k: v[idx].to(self.device) for k, v in self.splits[split].items()}, self.max_length)
 
-    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                             position_ids=batch.get("position_ids")).logits
         labels = batch["labels"][:, 1:]
@@ -172,13 +175,23 @@ class DistillObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
                  teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
-                 amp: bool, max_position: int = 0, seed: int = 0) -> None:
+                 amp: bool, max_position: int = 0, seed: int = 0, recall_rows: str | os.PathLike | None = None,
+                 answer_weight: float = 1.0) -> None:
         super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
         rows = load_packed(path)
         k = int(eval_sequences)
         if not 1 <= k < len(rows):
             raise ValueError(f"{path}: {len(rows)} rows, need 1 <= lora.eval_sequences={k} < rows")
         self.rows = {"train": rows[:-k], "val": rows[-k:]}
+        # Recall rows train after the corpus's rows (indices from len(rows["train"]) on); each
+        # position's KL is weighted, answer_weight where it predicts an answer token.
+        self.recall: tuple[torch.Tensor, torch.Tensor] | None = None
+        if recall_rows is not None:
+            tokens, answers = load_recall_rows(recall_rows)
+            if batch_size > 1 and tokens.shape[1] != rows.shape[1]:
+                raise ValueError(f"{recall_rows}: recall rows of {tokens.shape[1]} tokens cannot share batches of "
+                                 f"{batch_size} with corpus rows of {rows.shape[1]}: use lora.batch_size 1")
+            self.recall = (tokens, 1.0 + (float(answer_weight) - 1.0) * answer_positions(answers).float())
         self.teacher = teacher
         self.teacher_forwards = 0
         self.train_states = None
@@ -191,16 +204,33 @@ class DistillObjective(TokenObjective):
             print(f"distill: teacher states {'from transfer' if why == '' else 'recomputed: ' + why}", flush=True)
 
     def split_rows(self, split: str) -> int:
-        return len(self.rows[split])
+        return len(self.rows[split]) + (len(self.recall[0]) if split == "train" and self.recall else 0)
 
     def batch(self, split: str, idx: Any) -> Batch:
+        if split == "train" and self.recall is not None:
+            return self._train_batch(list(range(self.split_rows("train")))[idx] if isinstance(idx, slice) else idx)
         ids = self.rows[split][idx].to(self.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if split == "train" and self.train_states is not None:
             batch["teacher_states"] = self.train_states[idx].to(self.device)
         return batch
 
-    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, int]:
+    def _train_batch(self, idx: list[int]) -> Batch:
+        """Training rows ``idx`` where some may be recall rows: those carry per-position weights and
+        always run the teacher (the transfer's saved states hold corpus rows only)."""
+        n = len(self.rows["train"])
+        tokens, weights = self.recall
+        ids = torch.stack([self.rows["train"][i] if i < n else tokens[i - n] for i in idx]).to(self.device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if all(i < n for i in idx):
+            if self.train_states is not None:
+                batch["teacher_states"] = self.train_states[idx].to(self.device)
+        else:
+            ones = torch.ones(ids.shape[1])
+            batch["weights"] = torch.stack([ones if i < n else weights[i - n] for i in idx]).to(self.device)
+        return batch
+
+    def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
         with torch.no_grad():
             states = batch.get("teacher_states")
             if states is None:  # what teacher(input_ids).logits computes, in two steps
@@ -210,8 +240,12 @@ class DistillObjective(TokenObjective):
         # The teacher's targets are relative in position: a shifted student row keeps them.
         logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
         logp = torch.log_softmax(logits.float(), dim=-1)
-        kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
-        return kl, batch["input_ids"].numel()
+        weights = batch.get("weights")
+        if weights is None:
+            kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
+            return kl, batch["input_ids"].numel()
+        per_position = F.kl_div(logp, target, log_target=True, reduction="none").sum(-1)
+        return (per_position * weights).sum(), float(weights.sum())
 
 
 def _locate_nonfinite(model: nn.Module, batch: Batch, step: int) -> NonFiniteError:

@@ -171,6 +171,10 @@ class LoraSettings(_StageSettings):
     adapter: AdapterSettings
     objective: str
     eval_sequences: int
+    recall_rows: int
+    recall_facts: int
+    recall_seq_len: int | None
+    answer_weight: float
     max_length: int | None
     max_val_examples: int | None
     device: str

@@ -1,0 +1,140 @@
+"""Recall rows: running text of a training book with a few facts set in it, asked for at the row's end.
+
+Prose seldom makes a model fetch an exact token from a thousand tokens back, so a distillation on
+documents or book rows trains that little, and a hybrid that matches base on prose can still lose
+the passkey. A recall row is a run of a training book with ``facts`` short statements ("Mara's
+locker number is 40713.") set at sentence starts, then one question per fact, each answered with its
+value. The distillation (``lora.recall_rows``) scores every position as usual and weights the
+positions that predict an answer token by ``lora.answer_weight``: there the teacher reads the
+fact back from far away.
+
+The wording is this module's own: its names, attributes and sentences are none of the passkey's or
+the needle test's, and the books are the training books, so no evaluation prompt is trained on.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybrid_llama.books import book_names, read_books, split_books
+from hybrid_llama.data import DataError, _load_tokenizer, _tokenizer_name, _write_outputs
+from hybrid_llama.eval.niah import insert_pieces
+
+__all__ = ["recall_row", "prepare_recall_rows", "load_recall_rows", "answer_positions"]
+
+# Self-written: people's names and what a number of theirs is.
+NAMES = (
+    "Mara", "Tobias", "Ines", "Oskar", "Leona", "Felix", "Greta", "Hugo", "Alma", "Jonas", "Clara", "Emil",
+    "Rosa", "Viktor", "Nora", "Anton", "Ida", "Lukas", "Selma", "Paul", "Vera", "Otto", "Lena", "Arvid",
+)
+ATTRIBUTES = (
+    "locker number", "ticket number", "room number", "phone extension", "order number", "seat number",
+    "badge number", "parcel number",
+)
+
+
+def fact_text(name: str, attribute: str, value: str) -> str:
+    return f" {name}'s {attribute} is {value}."
+
+
+def question_text(name: str, attribute: str) -> str:
+    return f" Question: what is {name}'s {attribute}? Answer: {name}'s {attribute} is"
+
+
+def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int,
+               rng: random.Random) -> tuple[list[int], list[bool], list[dict]]:
+    """One row of exactly ``seq_len`` tokens: a run of ``book_ids`` from a random offset with
+    ``facts`` facts at random depths (snapped to sentence starts), then the questions in a random
+    order, each followed by its value and a full stop. Returns (ids, answer flags per token, the
+    facts with their value's token span)."""
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    people = rng.sample(NAMES, facts)
+    attrs = [rng.choice(ATTRIBUTES) for _ in people]
+    values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in people)]
+    pieces = [encode(fact_text(n, a, v)) for n, a, v in zip(people, attrs, values)]
+    order = rng.sample(range(facts), facts)
+    tail = encode("\n")  # the questions start a paragraph of their own
+    answer_spans = {}
+    for i in order:
+        tail += encode(question_text(people[i], attrs[i]))
+        value = encode(f" {values[i]}")
+        answer_spans[i] = (len(tail), len(tail) + len(value))
+        tail += value + encode(".")
+    n_hay = seq_len - sum(map(len, pieces)) - len(tail)
+    if n_hay < 16 * facts:
+        raise ValueError(f"{facts} facts and their questions take {seq_len - n_hay} of a {seq_len}-token row")
+    if len(book_ids) < n_hay:
+        raise ValueError(f"a book of {len(book_ids)} tokens is shorter than the {n_hay}-token haystack")
+    start = rng.randint(0, len(book_ids) - n_hay)
+    # facts in the first 90 % of the haystack: most answers lie far beyond a 64-token window
+    depths = [rng.uniform(0.0, 0.9) for _ in people]
+    body, spans = insert_pieces(tokenizer, list(book_ids[start : start + n_hay]), pieces, depths)
+    ids = body + tail
+    answer = [False] * len(ids)
+    for a, b in answer_spans.values():
+        for t in range(len(body) + a, len(body) + b):
+            answer[t] = True
+    records = [{"name": people[i], "attribute": attrs[i], "value": values[i], "fact_at": spans[i][0],
+                "answer_at": len(body) + answer_spans[i][0]} for i in range(facts)]
+    assert len(ids) == seq_len
+    return ids, answer, records
+
+
+def answer_positions(answers: torch.Tensor) -> torch.Tensor:
+    """Where a next-token loss predicts an answer token: position t of a row scores token t + 1."""
+    out = torch.zeros_like(answers, dtype=torch.bool)
+    out[:, :-1] = answers[:, 1:].bool()
+    return out
+
+
+def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, *, seq_len: int, rows: int,
+                        facts: int, seed: int = 0) -> dict:
+    """``rows`` recall rows of ``seq_len`` tokens on the training books (``books``: ``{dir, heldout}``,
+    every book of the directory not held out), the books taken in turn; returns the manifest.
+    Writes ``out_path`` (safetensors ``tokens`` int32 and ``answers`` uint8, both ``[rows, seq_len]``)
+    and the JSON manifest beside it, which records each row's book, facts and answer positions."""
+    directory = Path(books["dir"])
+    names = split_books(book_names(directory), list(books["heldout"]))["train"]
+    if not names:
+        raise DataError(f"{directory}: every book is held out (data.books.heldout); none is left to train on")
+    tok = _load_tokenizer(tokenizer)
+    ids = [tok(text, add_special_tokens=False)["input_ids"] for text in read_books(directory, names)]
+    rng = random.Random(f"recall:{seed}")
+    tokens, answers, records = [], [], []
+    for r in range(int(rows)):
+        b = r % len(names)
+        row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng)
+        tokens.append(row)
+        answers.append(answer)
+        records.append({"book": names[b], "facts": facts_of_row})
+    tensors = {"tokens": torch.tensor(tokens, dtype=torch.int32).reshape(-1, int(seq_len)),
+               "answers": torch.tensor(answers, dtype=torch.uint8).reshape(-1, int(seq_len))}
+    manifest = {
+        "kind": "recall_rows",
+        "source": {"dir": str(directory), "heldout": sorted(books["heldout"])},
+        "seq_len": int(seq_len),
+        "num_sequences": int(rows),
+        "facts_per_row": int(facts),
+        "seed": int(seed),
+        "answer_tokens": int(tensors["answers"].sum()),
+        "rows": records,
+        "tokenizer": _tokenizer_name(tok),
+    }
+    _write_outputs(Path(out_path), tensors, manifest)
+    return manifest
+
+
+def load_recall_rows(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 ``[N, L]``, answer flags bool ``[N, L]``) of a ``prepare_recall_rows`` file."""
+    from hybrid_llama.data import load_safetensors
+
+    t = load_safetensors(path, rule="recall_rows")
+    if "tokens" not in t or "answers" not in t:
+        raise DataError(f"{path}: not a recall-rows file (keys {sorted(t)})")
+    return t["tokens"].long(), t["answers"].bool()

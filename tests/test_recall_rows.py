@@ -1,0 +1,235 @@
+"""Recall rows (lora.recall_rows): their contents against the books and the facts they state, the
+weighted distillation loss against the KL written out, and how the workflow wires them in."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from snakemake.utils import validate
+
+from hybrid_llama.config import SCHEMA_PATH, ConfigError
+from hybrid_llama.data import read_manifest
+from hybrid_llama.eval import niah, passkey
+from hybrid_llama.names import RECALL_KEYS
+from hybrid_llama.pipeline import Pipeline
+from hybrid_llama.pipeline.long_context import trains_on_books
+from hybrid_llama.recall_rows import (
+    ATTRIBUTES,
+    NAMES,
+    answer_positions,
+    fact_text,
+    load_recall_rows,
+    prepare_recall_rows,
+    question_text,
+    recall_row,
+)
+from hybrid_llama.train.settings import LoraSettings
+from hybrid_llama.weights import BYTE_OFFSET, byte_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _text(ids) -> str:
+    return bytes(int(t) - BYTE_OFFSET for t in ids).decode("utf-8")
+
+
+def _book(n: int) -> str:
+    return " ".join(f"Sentence {i} of the book goes here." for i in range(n))
+
+
+def test_a_recall_row_states_each_fact_in_the_book_and_asks_for_it_at_the_end():
+    tok = byte_tokenizer()
+    book = tok(_book(400), add_special_tokens=False)["input_ids"]
+    ids, answer, facts = recall_row(tok, book, 1024, 3, random.Random(5))
+    assert len(ids) == len(answer) == 1024 and len(facts) == 3
+    text = _text(ids)
+    body = text[: text.index("\n Question")]
+    body_end = min(f["answer_at"] for f in facts)
+    for f in facts:
+        stated = fact_text(f["name"], f["attribute"], f["value"])
+        assert _text(ids[f["fact_at"]: f["fact_at"] + len(stated)]) == stated  # byte tokens: one per character
+        assert f["fact_at"] < len(body) < body_end and body.count(stated) == 1
+        # the value follows its own question, and its tokens are the ones flagged
+        asked = question_text(f["name"], f["attribute"])
+        assert _text(ids[f["answer_at"] - len(asked): f["answer_at"]]) == asked
+        span = range(f["answer_at"], f["answer_at"] + len(f["value"]) + 1)
+        assert _text(ids[span.start: span.stop]) == " " + f["value"] and all(answer[t] for t in span)
+    assert sum(answer) == sum(len(f["value"]) + 1 for f in facts)
+    # without the facts, the body is one run of the book; the facts sit at sentence starts
+    for f in facts:
+        body = body.replace(fact_text(f["name"], f["attribute"], f["value"]), "")
+        assert text[f["fact_at"] - 1] == "."
+    assert body in _text(book)
+
+
+def test_recall_rows_use_none_of_the_evaluations_wording():
+    words = " ".join([fact_text("Mara", "locker number", "1"), question_text("Mara", "locker number")]).lower()
+    for phrase in ("pass key", "magic number", passkey.PASSKEY_QUESTION.strip().lower()):
+        assert phrase not in words
+    assert not {w.lower() for w in NAMES + ATTRIBUTES} & set(niah.KEY_WORDS)
+
+
+def test_answer_positions_are_the_positions_that_predict_an_answer_token():
+    answers = torch.tensor([[0, 0, 1, 1, 0, 1]], dtype=torch.bool)
+    assert answer_positions(answers).tolist() == [[False, True, True, False, True, False]]
+
+
+def _write_books(directory: Path, names: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        text = " ".join(f"{name} line {i}." for i in range(600))
+        (directory / f"{name}.txt").write_text(f"*** START OF THE PROJECT GUTENBERG EBOOK X ***\n{text}\n"
+                                               "*** END OF THE PROJECT GUTENBERG EBOOK X ***\n")
+
+
+def test_prepare_recall_rows_reads_the_training_books_only(tmp_path):
+    _write_books(tmp_path / "books", ["pg1", "pg2", "pg3"])
+    source = {"dir": str(tmp_path / "books"), "heldout": ["pg3"]}
+    out = tmp_path / "recall.safetensors"
+    manifest = prepare_recall_rows(source, byte_tokenizer(), out, seq_len=512, rows=5, facts=2, seed=3)
+    tokens, answers = load_recall_rows(out)
+    assert tokens.shape == answers.shape == (5, 512)
+    assert manifest == read_manifest(out) and manifest["answer_tokens"] == int(answers.sum())
+    assert [r["book"] for r in manifest["rows"]] == ["pg1", "pg2", "pg1", "pg2", "pg1"]
+    for row, record in zip(tokens, manifest["rows"]):
+        text = _text(row)
+        assert record["book"] + " line" in text and "pg3" not in text
+        assert all(f["value"] in text for f in record["facts"])
+    again = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "again.safetensors", seq_len=512, rows=5,
+                                facts=2, seed=3)
+    assert again["rows"] == manifest["rows"] and torch.equal(load_recall_rows(tmp_path / "again.safetensors")[0],
+                                                              tokens)
+    with pytest.raises(ValueError, match="facts and their questions take"):
+        prepare_recall_rows(source, byte_tokenizer(), tmp_path / "short.safetensors", seq_len=128, rows=1, facts=3)
+
+
+# ----------------------------------------------------------------------- the weighted distillation
+
+
+@pytest.fixture(scope="module")
+def recall_file(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("recall")
+    _write_books(d / "books", ["pg1", "pg2"])
+    out = d / "recall.safetensors"
+    prepare_recall_rows({"dir": str(d / "books"), "heldout": ["pg2"]}, tiny_model_dir, out, seq_len=256, rows=3,
+                        facts=1)
+    return out
+
+
+def _corpus(tmp_path: Path, model_dir: Path, rows: int) -> Path:
+    from hybrid_llama.data import prepare_transfer_corpus
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join('{"text": "%s"}\n' % (f"text number {i} " * 30) for i in range(12)))
+    prepare_transfer_corpus({"kind": "local", "path": str(docs)}, model_dir, tmp_path / "corpus.safetensors",
+                            seq_len=64, num_tokens=64 * rows)
+    return tmp_path / "corpus.safetensors"
+
+
+def test_the_distillation_weighs_answer_positions_as_the_kl_written_out(tiny_model_dir, recall_file, tmp_path):
+    from hybrid_llama.stages import load_base
+    from hybrid_llama.train.lora_objectives import DistillObjective
+
+    corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
+    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a student that differs from its teacher
+        for p in student.model.layers[0].parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    obj = DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
+                           device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=7.0)
+    n = len(obj.rows["train"])
+    assert obj.split_rows("train") == n + 3 and obj.split_rows("val") == 2
+    tokens, answers = load_recall_rows(recall_file)
+    with torch.no_grad():
+        p = torch.softmax(teacher(input_ids=tokens[1:2]).logits.double(), -1)[0]
+        q = torch.softmax(student(input_ids=tokens[1:2]).logits.double(), -1)[0]
+        per_position = (p * (p.log() - q.log())).sum(-1)
+        w = torch.where(answers[1, 1:], 7.0, 1.0).double()
+        w = torch.cat([w, torch.ones(1, dtype=torch.float64)])  # the last position predicts no answer
+        total, count = obj.loss_sum(obj.batch("train", [n + 1]))
+    assert count == pytest.approx(float(w.sum())) and count > 256
+    assert float(total) > 1 and float(total) == pytest.approx(float((w * per_position).sum()), rel=1e-4)
+    # a corpus row keeps the plain KL sum over its positions
+    total, count = obj.loss_sum(obj.batch("train", [0]))
+    assert count == 64 and "weights" not in obj.batch("train", [0])
+
+
+def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them(
+        tiny_model_dir, recall_file, tmp_path):
+    import hybrid_llama.train.finetune as ft
+    import hybrid_llama.train.transfer as tr
+
+    corpus = _corpus(tmp_path, tiny_model_dir, rows=8)
+    hybrid = {"layers": [1, 3], "window": 4, "formulation": "lolcats", "feature_map": "hedgehog"}
+    tr.run_transfer(tiny_model_dir, corpus, hybrid, {"progress": False, "autocast": False, "trainable":
+                    "logits+feature_map", "epochs": 1, "batch_size": 2, "eval_sequences": 2, "teacher_states": True,
+                    "checkpoint_every": 0}, tmp_path / "t")
+    cfg = {"progress": False, "autocast": False, "objective": "distill", "batch_size": 1, "epochs": 1,
+           "eval_sequences": 2, "checkpoint_every": 0, "recall_rows": 3, "recall_facts": 1, "answer_weight": 4.0}
+    m = ft.run_finetune(tiny_model_dir, corpus, cfg, tmp_path / "lora", hybrid=hybrid,
+                        hybrid_layers=tmp_path / "t" / "hybrid_layers.safetensors", recall_rows=recall_file,
+                        teacher_states=tmp_path / "t" / "teacher_states.safetensors")
+    assert m["num_train"] == 6 + 3 and m["num_recall_rows"] == 3 and m["steps"] == 9
+    # the saved states serve the corpus rows; the recall rows and the two validations (2 rows each) run it
+    assert m["teacher_forwards"] == 3 + 2 * 2
+    assert m["lora"]["answer_weight"] == 4.0
+    for bad, match in (({**cfg, "recall_rows": 2}, "holds 3 rows of 1 facts"),
+                       ({**cfg, "recall_seq_len": 512}, "and 512 tokens"),
+                       ({**cfg, "recall_rows": 0}, "lora.recall_rows is 0")):
+        with pytest.raises(ValueError, match=match):
+            ft.run_finetune(tiny_model_dir, corpus, bad, tmp_path / "x", hybrid=hybrid, recall_rows=recall_file)
+    with pytest.raises(ValueError, match="give the recall-rows file"):
+        ft.run_finetune(tiny_model_dir, corpus, cfg, tmp_path / "x", hybrid=hybrid)
+
+
+# ----------------------------------------------------------------------------------- the workflow
+
+
+def _config(lora: dict, base_lora: dict | None = None) -> dict:
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    next(v for v in cfg["variants"] if v["name"] == "lolcats")["lora"].update(lora)
+    cfg["base_lora"] = {**cfg.get("base_lora", {}), **(base_lora or {})}
+    validate(cfg, str(SCHEMA_PATH))
+    return cfg
+
+
+RECALL = "resources/data/recall_rows/smollm2/L4096_R8_F6"
+
+
+def test_a_variant_with_recall_rows_distills_on_them_beside_its_corpus():
+    p = Pipeline(_config({"recall_rows": 8, "recall_facts": 6, "recall_seq_len": 4096, "answer_weight": 20}), REPO)
+    p.check()
+    # its own distillation and the derived cache-active one read the same recall rows
+    for v in ("lolcats", "lolcats_sparse_distill"):
+        assert p.lora_inputs("smollm2", v)["recall"] == RECALL + ".safetensors"
+        assert p.lora_data("smollm2", v) == "resources/data/transfer/smollm2/L2048_N65536.safetensors"
+        assert LoraSettings.from_dict(p.lora_train(v)).as_dict()["answer_weight"] == 20
+    assert "recall" not in p.lora_inputs("smollm2", "seed")
+    assert RECALL + ".json" in p.report_inputs()["manifests"]
+    assert trains_on_books(p) == ["lolcats", "lolcats_sparse_distill"]
+
+
+def test_without_recall_rows_the_lora_params_stay_as_before():
+    p = Pipeline(_config({}), REPO)
+    for v in p.lora_slots():
+        assert not set(RECALL_KEYS) & set(p.lora_train(v))
+        assert "recall" not in p.lora_inputs("smollm2", v) if v != "base_lora" else True
+    assert not [f for f in p.report_inputs()["manifests"] if "recall_rows" in f]
+
+
+@pytest.mark.parametrize("lora, base_lora, key, match", [
+    ({"recall_rows": 4, "objective": "instruct"}, None, "variants[lolcats].lora.recall_rows", "objective 'instruct'"),
+    ({"recall_rows": 4, "recall_seq_len": 4096, "batch_size": 2}, None, "variants[lolcats].lora.recall_seq_len",
+     "set lora.batch_size 1"),
+    ({}, {"recall_rows": 4}, "base_lora.recall_rows", "instruction data"),
+])
+def test_recall_rows_where_they_cannot_train_fail_naming_the_key(lora, base_lora, key, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        Pipeline(_config(lora, base_lora), REPO).check()
+    assert err.value.key == key
