@@ -233,3 +233,38 @@ def test_recall_rows_where_they_cannot_train_fail_naming_the_key(lora, base_lora
     with pytest.raises(ConfigError, match=match) as err:
         Pipeline(_config(lora, base_lora), REPO).check()
     assert err.value.key == key
+
+
+def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(tiny_model_dir, recall_file, tmp_path,
+                                                                              monkeypatch):
+    """Long rows are scored a chunk of positions at a time (recomputed in the backward); the loss and
+    every gradient equal the one-piece computation, weighted or not."""
+    import hybrid_llama.train.lora_objectives as lo
+    from hybrid_llama.stages import load_base
+
+    corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
+    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in student.model.layers[1].parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    obj = lo.DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
+                              device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=5.0)
+    n = len(obj.rows["train"])
+
+    def loss_and_grads(rows):
+        student.zero_grad()
+        total, count = obj.loss_sum(obj.batch("train", rows))
+        (total / count).backward()
+        return float(total), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
+
+    for rows in ([0], [n + 2]):  # a corpus row of 64 tokens, a recall row of 256
+        monkeypatch.setattr(lo, "KL_CHUNK", 4096)
+        whole, whole_grads = loss_and_grads(rows)
+        monkeypatch.setattr(lo, "KL_CHUNK", 48)  # chunks that end in the middle of an answer, and a short last one
+        chunked, grads = loss_and_grads(rows)
+        assert chunked == pytest.approx(whole, rel=1e-5) and whole > 0.1
+        assert grads.keys() == whole_grads.keys() and len(grads) > 10
+        for k in grads:
+            torch.testing.assert_close(grads[k], whole_grads[k], rtol=1e-4, atol=1e-7, msg=k)

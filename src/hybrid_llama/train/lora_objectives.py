@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.recall_rows import answer_positions, load_recall_rows
@@ -236,16 +237,40 @@ class DistillObjective(TokenObjective):
             if states is None:  # what teacher(input_ids).logits computes, in two steps
                 states = self.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
                 self.teacher_forwards += 1
-            target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
         # The teacher's targets are relative in position: a shifted student row keeps them.
-        logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        student = _causal_lm(self.model)
+        hidden = student.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).last_hidden_state
         weights = batch.get("weights")
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, hidden.shape[1], KL_CHUNK):
+            chunk = slice(s, s + KL_CHUNK)
+            w = None if weights is None else weights[:, chunk]
+            total = total + checkpoint(self._kl_sum, student.lm_head, hidden[:, chunk], states[:, chunk], w,
+                                       use_reentrant=False)
+        count = batch["input_ids"].numel() if weights is None else float(weights.sum())
+        return total, count
+
+    def _kl_sum(self, lm_head: nn.Module, hidden: torch.Tensor, states: torch.Tensor,
+                weights: torch.Tensor | None) -> torch.Tensor:
+        """KL(teacher || student) summed over these positions (weighted where ``weights`` is given)."""
+        with torch.no_grad():
+            target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
+        logp = torch.log_softmax(lm_head(hidden).float(), dim=-1)
         if weights is None:
-            kl = F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
-            return kl, batch["input_ids"].numel()
+            return F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
         per_position = F.kl_div(logp, target, log_target=True, reduction="none").sum(-1)
-        return (per_position * weights).sum(), float(weights.sum())
+        return (per_position * weights).sum()
+
+
+# Positions whose logits the distillation holds at once: a row of 8192 tokens would hold four
+# [L, vocab] fp32 tensors (6.4 GB for SmolLM2's 49K vocabulary) and its backward as many again;
+# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk.
+KL_CHUNK = 2048
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` under a peft wrapper (its LoRA layers are in place), or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _locate_nonfinite(model: nn.Module, batch: Batch, step: int) -> NonFiniteError:
