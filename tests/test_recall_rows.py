@@ -199,28 +199,35 @@ def _config(lora: dict, base_lora: dict | None = None) -> dict:
     return cfg
 
 
-RECALL = "resources/data/recall_rows/smollm2/L4096_R8_F6"
+RECALL = "resources/data/recall_rows/smollm2/L{}_R{}_F{}"
 
 
-def test_a_variant_with_recall_rows_distills_on_them_beside_its_corpus():
-    p = Pipeline(_config({"recall_rows": 8, "recall_facts": 6, "recall_seq_len": 4096, "answer_weight": 20}), REPO)
-    p.check()
-    # its own distillation and the derived cache-active one read the same recall rows
-    for v in ("lolcats", "lolcats_sparse_distill"):
-        assert p.lora_inputs("smollm2", v)["recall"] == RECALL + ".safetensors"
-        assert p.lora_data("smollm2", v) == "resources/data/transfer/smollm2/L2048_N65536.safetensors"
-        assert LoraSettings.from_dict(p.lora_train(v)).as_dict()["answer_weight"] == 20
-    assert "recall" not in p.lora_inputs("smollm2", "seed")
-    assert RECALL + ".json" in p.report_inputs()["manifests"]
-    assert trains_on_books(p) == ["lolcats", "lolcats_sparse_distill"]
-
-
-def test_without_recall_rows_the_lora_params_stay_as_before():
+def test_the_default_cache_active_distillation_trains_recall_rows_and_the_recommended_variant_keeps_them():
     p = Pipeline(_config({}), REPO)
-    for v in p.lora_slots():
+    p.check()
+    rows = RECALL.format(8192, 4, 8)
+    assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == rows + ".safetensors"
+    assert p.lora_owner("lolcats_retrieval") == "lolcats_sparse_distill"  # its adapter, trained with them
+    assert LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill")).as_dict()["answer_weight"] == 20
+    assert [f for f in p.report_inputs()["manifests"] if "recall_rows" in f] == [rows + ".json"]
+    assert "lolcats_sparse_distill" in trains_on_books(p)
+    # the stages without recall rows are run without the keys: their params, and so their jobs, stay
+    for v in ("seed", "lolcats", "base_lora"):
         assert not set(RECALL_KEYS) & set(p.lora_train(v))
-        assert "recall" not in p.lora_inputs("smollm2", v) if v != "base_lora" else True
-    assert not [f for f in p.report_inputs()["manifests"] if "recall_rows" in f]
+        assert v == "base_lora" or "recall" not in p.lora_inputs("smollm2", v)
+
+
+def test_a_variant_with_recall_rows_hands_them_to_the_variants_derived_from_it():
+    p = Pipeline(_config({"recall_rows": 8, "recall_facts": 6, "recall_seq_len": 4096, "answer_weight": 2}), REPO)
+    p.check()
+    assert p.lora_inputs("smollm2", "lolcats")["recall"] == RECALL.format(4096, 8, 6) + ".safetensors"
+    assert p.lora_data("smollm2", "lolcats") == "resources/data/transfer/smollm2/L2048_N65536.safetensors"
+    # a derived variant inherits lolcats' lora, its own keys over it
+    assert p.lora_train("lolcats_sparse_distill")["answer_weight"] == 20
+    assert LoraSettings.from_dict(p.lora_train("lolcats")).as_dict()["answer_weight"] == 2
+    assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, 8) + ".json"} <= set(
+        p.report_inputs()["manifests"])
+    assert "recall" not in p.lora_inputs("smollm2", "seed")
 
 
 @pytest.mark.parametrize("lora, base_lora, key, match", [
@@ -257,7 +264,7 @@ def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(ti
         student.zero_grad()
         total, count = obj.loss_sum(obj.batch("train", rows))
         (total / count).backward()
-        return float(total), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
+        return float(total.detach()), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
 
     for rows in ([0], [n + 2]):  # a corpus row of 64 tokens, a recall row of 256
         monkeypatch.setattr(lo, "KL_CHUNK", 4096)

@@ -58,9 +58,9 @@ def benchmark_rows(directory) -> list[dict]:
 
 
 def manifest_summary(path) -> dict:
-    """A manifest without its long per-document hash list and per-row book offsets (the counts stay)."""
+    """A manifest without its long per-document hash list and per-row lists (the counts stay)."""
     data = json.loads(Path(path).read_text())
-    counted = {"doc_hashes": "document sha256 hashes", "rows": "rows' book and token offset",
-               "row_parts": "rows' part and row"}
+    rows = "rows' book and facts" if data.get("kind") == "recall_rows" else "rows' book and token offset"
+    counted = {"doc_hashes": "document sha256 hashes", "rows": rows, "row_parts": "rows' part and row"}
     items = {k: (f"{len(v)} {counted[k]}" if k in counted else v) for k, v in data.items()}
     return {"path": str(path), "items": items}
