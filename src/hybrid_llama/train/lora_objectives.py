@@ -208,27 +208,18 @@ class DistillObjective(TokenObjective):
         return len(self.rows[split]) + (len(self.recall[0]) if split == "train" and self.recall else 0)
 
     def batch(self, split: str, idx: Any) -> Batch:
-        if split == "train" and self.recall is not None:
-            return self._train_batch(list(range(self.split_rows("train")))[idx] if isinstance(idx, slice) else idx)
-        ids = self.rows[split][idx].to(self.device)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if split == "train" and self.train_states is not None:
-            batch["teacher_states"] = self.train_states[idx].to(self.device)
-        return batch
-
-    def _train_batch(self, idx: list[int]) -> Batch:
-        """Training rows ``idx`` where some may be recall rows: those carry per-position weights and
-        always run the teacher (the transfer's saved states hold corpus rows only)."""
+        if split == "val":
+            ids = self.rows["val"][idx].to(self.device)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        idx = list(range(self.split_rows("train")))[idx] if isinstance(idx, slice) else list(idx)
         n = len(self.rows["train"])
-        tokens, weights = self.recall
-        ids = torch.stack([self.rows["train"][i] if i < n else tokens[i - n] for i in idx]).to(self.device)
+        ids = torch.stack([self.rows["train"][i] if i < n else self.recall[0][i - n] for i in idx]).to(self.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if all(i < n for i in idx):
-            if self.train_states is not None:
-                batch["teacher_states"] = self.train_states[idx].to(self.device)
-        else:
+        if any(i >= n for i in idx):  # recall rows: weighted; the transfer's saved states hold corpus rows only
             ones = torch.ones(ids.shape[1])
-            batch["weights"] = torch.stack([ones if i < n else weights[i - n] for i in idx]).to(self.device)
+            batch["weights"] = torch.stack([ones if i < n else self.recall[1][i - n] for i in idx]).to(self.device)
+        elif self.train_states is not None:
+            batch["teacher_states"] = self.train_states[idx].to(self.device)
         return batch
 
     def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
