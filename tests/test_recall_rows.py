@@ -275,3 +275,41 @@ def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(ti
         assert grads.keys() == whole_grads.keys() and len(grads) > 10
         for k in grads:
             torch.testing.assert_close(grads[k], whole_grads[k], rtol=1e-4, atol=1e-7, msg=k)
+
+
+def test_a_long_row_recomputes_its_layers_and_trains_the_same(tiny_model_dir, recall_file, tmp_path, monkeypatch):
+    """Rows longer than a KL chunk run their decoder layers under activation checkpointing (switched
+    off again after the forward); the loss and the LoRA gradients are those without it."""
+    import hybrid_llama.train.lora_objectives as lo
+    from hybrid_llama.stages import as_hybrid_config, load_base
+    from hybrid_llama.train.finetune import _lora_model
+    from hybrid_llama.train.settings import LoraSettings
+
+    hybrid = {"layers": [1, 3], "window": 4, "formulation": "lolcats", "feature_map": "hedgehog"}
+
+    adapter = LoraSettings.from_dict({"objective": "distill", "dropout": 0.0}).adapter  # no random masks
+    student, _, _ = _lora_model(tiny_model_dir, adapter, as_hybrid_config(hybrid), None, None, torch.device("cpu"))
+    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    obj = lo.DistillObjective(student, _corpus(tmp_path, tiny_model_dir, rows=6), teacher, eval_sequences=2,
+                              teacher_states=None, batch_size=1, device=torch.device("cpu"), amp=False,
+                              recall_rows=recall_file, answer_weight=5.0)
+    batch = obj.batch("train", [len(obj.rows["train"])])  # a recall row of 256 tokens
+    seen = []
+    causal_lm = lo._causal_lm(student)
+    layer = causal_lm.model.layers[0]
+    layer.register_forward_hook(lambda m, a, o: seen.append(bool(getattr(m, "gradient_checkpointing", False))))
+
+    def loss_and_grads():
+        student.zero_grad()
+        total, count = obj.loss_sum(batch)
+        (total / count).backward()
+        return float(total.detach()), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = loss_and_grads()
+    monkeypatch.setattr(lo, "KL_CHUNK", 64)
+    long, grads = loss_and_grads()
+    assert seen[0] is False and True in seen[1:]  # checkpointed only as a long row (forward and recompute)
+    assert not layer.gradient_checkpointing  # and switched off after it
+    assert long == pytest.approx(whole, rel=1e-5) and any("lora_" in k for k in grads)
+    for k in grads:
+        torch.testing.assert_close(grads[k], whole_grads[k], rtol=1e-4, atol=1e-7, msg=k)

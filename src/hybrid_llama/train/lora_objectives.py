@@ -230,7 +230,18 @@ class DistillObjective(TokenObjective):
                 self.teacher_forwards += 1
         # The teacher's targets are relative in position: a shifted student row keeps them.
         student = _causal_lm(self.model)
-        hidden = student.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).last_hidden_state
+        # A row longer than one KL chunk also recomputes each decoder layer in the backward: at 8192
+        # tokens the layers' saved activations, not the logits, are most of the memory.
+        recompute = batch["input_ids"].shape[1] > KL_CHUNK and torch.is_grad_enabled()
+        if recompute:  # transformers >= 5.2x names it activation checkpointing
+            getattr(student, "activation_checkpointing_enable", student.gradient_checkpointing_enable)(
+                {"use_reentrant": False})
+        try:
+            hidden = student.model(input_ids=batch["input_ids"],
+                                   position_ids=batch.get("position_ids")).last_hidden_state
+        finally:
+            if recompute:
+                getattr(student, "activation_checkpointing_disable", student.gradient_checkpointing_disable)()
         weights = batch.get("weights")
         total = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[1], KL_CHUNK):
@@ -255,7 +266,8 @@ class DistillObjective(TokenObjective):
 
 # Positions whose logits the distillation holds at once: a row of 8192 tokens would hold four
 # [L, vocab] fp32 tensors (6.4 GB for SmolLM2's 49K vocabulary) and its backward as many again;
-# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk.
+# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk, and
+# only longer rows recompute their decoder layers.
 KL_CHUNK = 2048
 
 
