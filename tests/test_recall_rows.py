@@ -235,6 +235,8 @@ def test_a_variant_with_recall_rows_hands_them_to_the_variants_derived_from_it()
     ({"recall_rows": 4, "recall_seq_len": 4096, "batch_size": 2}, None, "variants[lolcats].lora.recall_seq_len",
      "set lora.batch_size 1"),
     ({}, {"recall_rows": 4}, "base_lora.recall_rows", "instruction data"),
+    ({"recall_rows": 4, "recall_seq_len": 16384, "batch_size": 1}, None, "variants[lolcats].lora.recall_seq_len",
+     r"longer than model 'smollm2' has positions \(8192\)"),
 ])
 def test_recall_rows_where_they_cannot_train_fail_naming_the_key(lora, base_lora, key, match):
     with pytest.raises(ConfigError, match=match) as err:

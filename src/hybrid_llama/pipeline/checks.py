@@ -173,6 +173,13 @@ def _check_training(p: Pipeline, v: str) -> None:
         raise ConfigError(_key(p, v, "lora", "recall_rows"),
                           f"recall rows train a distilled stage, but variant '{v}' finetunes with objective "
                           f"'{lora['objective']}'")
+    if p.trained(v, "transfer_lora") and lora["recall_rows"] and lora["recall_seq_len"]:
+        for model in p.models:
+            positions = model_architecture(p, model).get("max_position_embeddings")
+            if positions is not None and lora["recall_seq_len"] > positions:
+                raise ConfigError(_key(p, v, "lora", "recall_seq_len"),
+                                  f"{lora['recall_seq_len']} tokens is longer than model '{model}' has positions "
+                                  f"({positions})")
     if lora["recall_rows"] and lora["recall_seq_len"] not in (None, t["seq_len"]) and lora["batch_size"] > 1:
         raise ConfigError(_key(p, v, "lora", "recall_seq_len"),
                           f"recall rows of {lora['recall_seq_len']} tokens cannot share a batch of "
