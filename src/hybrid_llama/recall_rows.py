@@ -25,6 +25,7 @@ import torch
 from hybrid_llama.books import book_names, read_books, split_books
 from hybrid_llama.data import DataError, _load_tokenizer, _tokenizer_name, _write_outputs
 from hybrid_llama.eval.niah import insert_pieces
+from hybrid_llama.files import load_safetensors
 
 __all__ = ["recall_row", "prepare_recall_rows", "load_recall_rows", "answer_positions"]
 
@@ -132,8 +133,6 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
 
 def load_recall_rows(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 ``[N, L]``, answer flags bool ``[N, L]``) of a ``prepare_recall_rows`` file."""
-    from hybrid_llama.data import load_safetensors
-
     t = load_safetensors(path, rule="recall_rows")
     if "tokens" not in t or "answers" not in t:
         raise DataError(f"{path}: not a recall-rows file (keys {sorted(t)})")

@@ -33,6 +33,11 @@ from .variants import lora_owner, resolve_variants, transfer_owner
 __all__ = ["Pipeline"]
 
 
+def _each_once(items: list) -> list:
+    """The items in order without repeats; they may be unhashable (dicts of wildcards)."""
+    return [x for i, x in enumerate(items) if x not in items[:i]]
+
+
 def _corpus_wildcards(transfer: dict) -> dict[str, str]:
     """The corpus wildcards ``{seq_len, num_tokens}`` of a transfer section (num_tokens None = "all")."""
     num_tokens = transfer["num_tokens"]
@@ -180,7 +185,7 @@ class Pipeline:
         corpora = [(self.transfer(v)["corpus"], self.corpus(v)) for v in transfers]
         corpora += [(self.lora_corpus(v), self.corpus(v)) for v in loras if self.lora_corpus(v)]
         parts = [(part, wc) for corpus, c in corpora for part, wc in corpus_parts(corpus, **c).items()]
-        return [p for i, p in enumerate(parts) if p not in parts[:i]]
+        return _each_once(parts)
 
     def book_rows_settings(self, seq_len: str, num_tokens: str) -> dict:
         """``prepare_book_rows`` settings of the book rows with these wildcards (num_tokens "all" = None)."""
@@ -449,8 +454,7 @@ class Pipeline:
         }
 
     def _recall_files(self) -> list[dict[str, str]]:
-        wildcards = [self.recall_wildcards(s) for s in self.lora_slots()]
-        return [wc for i, wc in enumerate(wildcards) if wc is not None and wc not in wildcards[:i]]
+        return _each_once([wc for s in self.lora_slots() if (wc := self.recall_wildcards(s)) is not None])
 
     def _uses_instruct(self) -> bool:
         return any(s == "base_lora" or self.lora(s)["objective"] == "instruct" for s in self.lora_slots())
