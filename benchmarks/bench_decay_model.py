@@ -5,7 +5,8 @@
 
 Builds base and the recommended variant's hybrid layout of ``config/config.yaml`` (its layers, window,
 sparse cache, exact heads) once with its ``hybrid.decay`` and once without, on the pipeline's SmolLM2
-weights (``resources/weights/smollm2``; speed does not depend on trained weights), and times all
+weights (``resources/weights/smollm2``; speed does not depend on trained weights; ranked exact heads
+from the run's ``results/smollm2/retrieval_heads.json``), and times all
 three round by round with the pipeline's own throughput code (``measure_throughput``, fp32, batch
 1, 16 decode steps). Prints each layout's prefill and decode ratio to base with the rounds' spread.
 """
@@ -20,8 +21,9 @@ import yaml
 from snakemake.utils import validate
 
 from hybrid_llama.config import SCHEMA_PATH
+from hybrid_llama.eval.retrieval_heads import ranked_softmax_heads
 from hybrid_llama.eval.throughput import build_throughput_variants, measure_throughput
-from hybrid_llama.pipeline import Pipeline
+from hybrid_llama.pipeline import Pipeline, path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +39,9 @@ def main() -> None:
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
     validate(cfg, str(SCHEMA_PATH))
     pipeline = Pipeline(cfg, REPO)
-    hybrid = pipeline.hybrid(pipeline.recommended())
+    # ranked heads (softmax_heads: {top: N}) come from the default run's ranking
+    ranking = REPO / path("retrieval_heads", model="smollm2")
+    hybrid = ranked_softmax_heads(pipeline.hybrid(pipeline.recommended()), ranking if ranking.is_file() else None)
     if not hybrid.get("decay"):
         raise SystemExit(f"the recommended variant {pipeline.recommended()} has no hybrid.decay to compare")
     layouts = {"decay": hybrid, "no_decay": {k: v for k, v in hybrid.items() if k != "decay"}}

@@ -185,3 +185,33 @@ def test_retrieval_heads_cli_prints_softmax_heads(lively_dir, capsys):
     pairs = json.loads(out[-1])["softmax_heads"]
     assert len(pairs) == 2 and all(layer in (0, 2) and head in (0, 1) for layer, head in pairs)
     assert len(out) == 1 + 4  # the ranking of 2 layers x 2 KV heads, then the pairs
+
+
+def test_the_whole_models_ranking_orders_each_subset_of_layers_as_ranking_it_alone(lively_dir, tmp_path):
+    """The workflow ranks every layer once (retrieval_heads rule) and each variant takes its hybrid
+    layers' heads from that list: that must be the order ranking those layers alone gives."""
+    import json
+
+    from hybrid_llama.eval.retrieval_heads import rank_model, rank_retrieval_heads, ranked_softmax_heads
+
+    ranking = rank_model(lively_dir, context_len=400, trials=2)
+    model, tok = load_model(lively_dir, dtype=torch.float32)
+    heads = [(h["layer"], h["kv_head"]) for h in ranking["heads"]]
+    assert sorted(heads) == [(layer, h) for layer in range(model.config.num_hidden_layers) for h in range(2)]
+    masses = [h["needle_mass"] for h in ranking["heads"]]
+    assert masses == sorted(masses, reverse=True) and masses[0] > masses[-1]
+    alone = rank_retrieval_heads(model.eval(), tok, [1, 2], context_len=400, trials=2)
+    assert [(layer, h) for layer, h in heads if layer in (1, 2)] == [(layer, h) for layer, h, _ in alone]
+
+    file = tmp_path / "retrieval_heads.json"
+    file.write_text(json.dumps(ranking))
+    spec = {"layers": [1, 2], "window": 4, "softmax_heads": {"top": 2}}
+    resolved = ranked_softmax_heads(spec, file)
+    assert resolved["softmax_heads"] == sorted([[layer, h] for layer, h, _ in alone[:2]])
+    assert resolved["window"] == 4 and spec["softmax_heads"] == {"top": 2}  # the input is not changed
+    named = {"layers": [0], "softmax_heads": [[0, 1]]}
+    assert ranked_softmax_heads(named, None) == named  # named heads need no ranking
+    with pytest.raises(ValueError, match="more KV heads"):
+        ranked_softmax_heads({**spec, "softmax_heads": {"top": 5}}, ranking)
+    with pytest.raises(ValueError, match="retrieval_heads ranking"):
+        ranked_softmax_heads(spec, None)

@@ -233,6 +233,14 @@ BAD_CONFIGS = {
         ["'variants[lc16].transfer.num_tokens'", "3 rows", "needs at least"],
     ),
     "distill_control": (lambda c: c.update(base_lora={"objective": "distill"}), ["'base_lora.objective'", "instruct"]),
+    "more_ranked_heads_than_the_layers_hold": (
+        lambda c: c["variants"][1]["hybrid"].update(softmax_heads={"top": 5}),
+        ["'variants[lc16].hybrid.softmax_heads.top'", "5 heads asked", "4 KV heads in the 2 hybrid layers"],
+    ),
+    "ranking_longer_than_the_positions": (
+        lambda c: c["retrieval_heads"].update(context_len=8192),
+        ["'retrieval_heads.context_len'", "positions (4096)"],
+    ),
     "missing_local_data": (
         lambda c: c["data"]["transfer"].update(local="nowhere/none.jsonl"),
         ["'data.transfer.local'", "does not exist"],
@@ -277,6 +285,7 @@ def test_good_test_config_dry_run(wf_copy):
     assert rules.count("book_nll") == rules.count("niah") == 7 and rules.count("plot_long_context") == 1
     assert rules.count("components") == 5  # hybrid stages only
     assert rules.count("transfer") == rules.count("lora") == 2 and rules.count("transfer_data") == 2
+    assert rules.count("retrieval_heads") == 1  # lc16 keeps ranked heads: one ranking for the model
     # the trained variants' final stages are exported; the untrained control is not
     assert {j for j in jobs if j[0] == "export"} == {("export", "results/tiny/w16/model"),
                                                      ("export", "results/tiny/lc16/model")}
@@ -527,6 +536,12 @@ def test_whole_dag_outputs(built):
     assert {(line.split(",")[1], int(line.split(",")[2])) for line in niah if line.startswith("transfer_lora,")} == {
         (h, n) for h in ("filler", "book") for n in cfg["quality"]["long_context"]["niah"]["context_lens"]}
     assert 'class="recommended"' in html and "Recommended: lc16" in html
+    # lc16 keeps base's best-ranked KV head of its layers exact (softmax_heads: {top: 1}), through
+    # training and export
+    ranking = json.loads((wf / f"results/{M}/retrieval_heads.json").read_text())
+    best = next([h["layer"], h["kv_head"]] for h in ranking["heads"] if h["layer"] in (0, 2))
+    exported = json.loads((wf / f"results/{M}/{L}/model/config.json").read_text())
+    assert exported["hybrid"]["softmax_heads"] == [best] and len(ranking["heads"]) == 4 * 2
 
 
 # A fresh process: load an exported directory through the Auto classes (after `import hybrid_llama`
@@ -557,6 +572,7 @@ def test_exported_model_loads_like_the_pipeline(built, tmp_path, variant):
     from safetensors.torch import load_file
     from snakemake.utils import validate
 
+    from hybrid_llama.eval.retrieval_heads import ranked_softmax_heads
     from hybrid_llama.pipeline import Pipeline
     from hybrid_llama.stages import load_stage
 
@@ -576,7 +592,10 @@ def test_exported_model_loads_like_the_pipeline(built, tmp_path, variant):
     stage = pipe.export_stage(variant)
     assert stage == "transfer_lora"
     files = pipe.stage_inputs(M, variant, stage)
-    model, _ = load_stage(wf / Path(files["weights"]).parent, stage, hybrid=pipe.hybrid(variant),
+    # lc16 keeps ranked heads (softmax_heads: {top: 1}): the pairs come from the run's ranking
+    ranking = wf / files["retrieval_heads"] if "retrieval_heads" in files else None
+    hybrid = ranked_softmax_heads(pipe.hybrid(variant), ranking)
+    model, _ = load_stage(wf / Path(files["weights"]).parent, stage, hybrid=hybrid,
                           hybrid_layers=wf / files["layers"], adapter=(wf / files["adapter"]).parent)
     ids = torch.tensor([list(range(40, 100))])  # 60 tokens: far beyond the window of 16
     with torch.no_grad():

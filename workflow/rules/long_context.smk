@@ -2,6 +2,8 @@
 # quality_table): NLL vs context on the held-out books (data.books) and the multi-key needle in a
 # haystack. Lengths from quality.long_context.from_len run only for the slots listed per kind under
 # quality.long_context.slots (base and the recommended variant by default), see pipeline.long_context.
+# Also the base model's retrieval heads, ranked once per model for the variants that keep the best
+# ones exact (hybrid.softmax_heads: {top: N}).
 
 
 rule book_nll:
@@ -54,6 +56,24 @@ rule niah:
         dtype=config["quality"]["dtype"],
     script:
         "../scripts/niah.py"
+
+
+rule retrieval_heads:
+    input:
+        weights=weights,
+    output:
+        path("retrieval_heads"),
+    log:
+        log_of("retrieval_heads/{model}"),
+    benchmark:
+        benchmark_of("retrieval_heads/{model}")
+    conda:
+        "../../envs/eval.yaml"
+    threads: config["threads"]["eval"]
+    params:
+        ranking=P.section("retrieval_heads"),
+    script:
+        "../scripts/retrieval_heads.py"
 
 
 rule plot_long_context:

@@ -5,6 +5,10 @@
 
 rule throughput:
     input:
+        # the ranked heads of the timed variants that keep some exact (softmax_heads: {top: N})
+        unpack(
+            lambda wildcards: P.heads_ranking(wildcards.model, P.throughput_variants())
+        ),
         weights=weights,
     output:
         path("throughput"),

@@ -4,6 +4,8 @@
 
 rule transfer:
     input:
+        # the ranked heads it keeps exact, when softmax_heads is {top: N}
+        unpack(lambda wildcards: P.heads_ranking(wildcards.model, [wildcards.variant])),
         weights=weights,
         tokens=lambda wildcards: P.training_rows(wildcards.model, wildcards.variant),
     output:

@@ -37,6 +37,16 @@ def model_dir(snakemake) -> Path:
     return Path(snakemake.input.weights).parent
 
 
+def job_hybrid(snakemake, hybrid):
+    """A rule's hybrid params as the job builds the model: ranked heads (softmax_heads: {top: N})
+    become the pairs of the job's retrieval_heads input; anything else comes back as it is."""
+    if not hybrid:
+        return hybrid
+    from hybrid_llama.eval.retrieval_heads import ranked_softmax_heads
+
+    return ranked_softmax_heads(dict(hybrid), getattr(snakemake.input, "retrieval_heads", None))
+
+
 def stage_model(snakemake, *, device: str, dtype=None):
     """(model, tokenizer, meta, torch device) of the stage named by the job's wildcards."""
     from hybrid_llama.stages import load_stage_for_eval
@@ -45,7 +55,7 @@ def stage_model(snakemake, *, device: str, dtype=None):
     return load_stage_for_eval(
         model_dir(snakemake),
         w.stage,
-        hybrid=snakemake.params.hybrid,
+        hybrid=job_hybrid(snakemake, snakemake.params.hybrid),
         hybrid_layers=getattr(snakemake.input, "layers", None),
         adapter=getattr(snakemake.input, "adapter", None),
         device=device,

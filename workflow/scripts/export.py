@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from common import model_dir, start
+from common import job_hybrid, model_dir, start
 
 start(snakemake)
 
@@ -15,11 +15,12 @@ from hybrid_llama.stages import load_stage
 
 inp, params, w = snakemake.input, snakemake.params, snakemake.wildcards
 adapter = getattr(inp, "adapter", None)
-model, tokenizer = load_stage(model_dir(snakemake), params.stage, hybrid=params.hybrid,
+hybrid = job_hybrid(snakemake, params.hybrid)
+model, tokenizer = load_stage(model_dir(snakemake), params.stage, hybrid=hybrid,
                               hybrid_layers=inp.layers, adapter=Path(adapter).parent if adapter else None)
 out = snakemake.output[0]
 card = pipeline_model_card(
-    model=w.model, variant=w.variant, stage=params.stage, hybrid=params.hybrid, base_spec=params.base_spec,
+    model=w.model, variant=w.variant, stage=params.stage, hybrid=hybrid, base_spec=params.base_spec,
     num_layers=model.config.num_hidden_layers, transfer_metrics=inp.transfer_metrics,
     lora_metrics=getattr(inp, "lora_metrics", None), data=params.data, results=list(inp.results), path=out,
 )

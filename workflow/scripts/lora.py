@@ -3,13 +3,13 @@
 import json
 from pathlib import Path
 
-from common import model_dir, start, training_checkpoints
+from common import job_hybrid, model_dir, start, training_checkpoints
 
 start(snakemake)
 
 from hybrid_llama.train.finetune import run_finetune
 
-w, hybrid, lora = snakemake.wildcards, snakemake.params.hybrid, dict(snakemake.params.lora)
+w, hybrid, lora = snakemake.wildcards, job_hybrid(snakemake, snakemake.params.hybrid), dict(snakemake.params.lora)
 with training_checkpoints(snakemake, "lora", getattr(w, "variant", "base_lora"), hybrid, lora) as lora:
     metrics = run_finetune(
         model_dir(snakemake),

@@ -1,6 +1,6 @@
 """Prefill/decode speed and memory vs length: base vs each variant's hybrid per backend."""
 
-from common import model_dir, start
+from common import job_hybrid, model_dir, start
 
 start(snakemake)
 
@@ -13,8 +13,9 @@ from hybrid_llama.eval.throughput import (
 from hybrid_llama.runtime import require_device
 
 device, cfg = require_device(snakemake.wildcards.device), snakemake.params.throughput
+hybrids = {name: job_hybrid(snakemake, hybrid) for name, hybrid in snakemake.params.hybrids.items()}
 variants, first_with, same_as = {}, {}, {}
-for name, hybrid in snakemake.params.hybrids.items():
+for name, hybrid in hybrids.items():
     built = build_throughput_variants(
         model_dir(snakemake), dict(hybrid), device, cfg["dtype"], backends=tuple(cfg["backends"])
     )
@@ -31,8 +32,8 @@ for name, hybrid in snakemake.params.hybrids.items():
 # Long prompts: base and the listed variants only (each under the label its twin is measured as).
 long = snakemake.params.long
 long_labels = {label for label in variants if label.split("/", 1)[0] in {
-    first_with[repr(sorted(dict(snakemake.params.hybrids[v]).items()))] for v in long["variants"]
-    if v in snakemake.params.hybrids}}
+    first_with[repr(sorted(dict(hybrids[v]).items()))] for v in long["variants"]
+    if v in hybrids}}
 frame = measure_throughput(
     variants,
     seq_lens=cfg["seq_lens"],

@@ -3,13 +3,13 @@
 import json
 from pathlib import Path
 
-from common import model_dir, start, training_checkpoints
+from common import job_hybrid, model_dir, start, training_checkpoints
 
 start(snakemake)
 
 from hybrid_llama.train.transfer import run_transfer
 
-w, hybrid, train = snakemake.wildcards, dict(snakemake.params.hybrid), dict(snakemake.params.train)
+w, hybrid, train = snakemake.wildcards, job_hybrid(snakemake, snakemake.params.hybrid), dict(snakemake.params.train)
 with training_checkpoints(snakemake, "transfer", w.variant, hybrid, train) as train:
     metrics = run_transfer(model_dir(snakemake), snakemake.input.tokens, hybrid, train,
                            Path(snakemake.output.layers).parent)

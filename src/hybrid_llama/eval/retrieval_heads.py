@@ -6,14 +6,20 @@ mass on the base model, so a hybrid can keep the best ones exact (``hybrid.softm
 ``layers.exact_heads``). The prompts use a seed the passkey evaluation does not use.
 
     python -m hybrid_llama.eval.retrieval_heads MODEL --layers 0,2,...,28 --top 1
-prints the ranking and the ``softmax_heads`` pairs of the top ones.
+prints the ranking and the ``softmax_heads`` pairs of the top ones. In the workflow, a variant with
+``softmax_heads: {top: N}`` gets the first N of its hybrid layers from ``rank_model``'s file
+(the retrieval_heads rule), through ``ranked_softmax_heads``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,7 +65,8 @@ def rank_retrieval_heads(model, tokenizer, layers: Sequence[int], *, context_len
     cells = needle_trials(tokenizer, context_len=context_len, trials=trials, seed=SCORING_SEED)
     hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(score, with_kwargs=True) for i in layers]
     try:
-        for t in cells:
+        for i, t in enumerate(cells):
+            logging.info("retrieval heads: passkey prompt %d of %d (%d tokens)", i + 1, len(cells), context_len)
             ids = t["prompt"] + t["answer"][:-1]
             trial.update(rows=range(len(t["prompt"]) - 1, len(ids)), needle=t["needle"])
             model(input_ids=torch.tensor([ids], device=model.device), use_cache=False, logits_to_keep=1)
@@ -68,6 +75,43 @@ def rank_retrieval_heads(model, tokenizer, layers: Sequence[int], *, context_len
             hook.remove()
     ranked = sorted(total, key=total.get, reverse=True)
     return [(layer, head, total[(layer, head)] / len(cells)) for layer, head in ranked]
+
+
+
+def rank_model(model_dir: str | os.PathLike, *, context_len: int = 2048, trials: int = 6) -> dict[str, Any]:
+    """The retrieval_heads rule's file: every KV head of every layer of the (base) model in
+    ``model_dir``, best first, ranked in float32. Ranking each head on its own, a variant's hybrid
+    layers take their order from it (``ranked_softmax_heads``)."""
+    from hybrid_llama.stages import load_base
+
+    model, tokenizer = load_base(model_dir, dtype=torch.float32)
+    ranked = rank_retrieval_heads(model, tokenizer, range(model.config.num_hidden_layers),
+                                  context_len=context_len, trials=trials)
+    return {"context_len": context_len, "trials": trials, "seed": SCORING_SEED,
+            "heads": [{"layer": layer, "kv_head": head, "needle_mass": round(mass, 6)} for layer, head, mass in ranked]}
+
+
+def ranked_softmax_heads(hybrid: Mapping[str, Any],
+                         ranking: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``hybrid`` with ``softmax_heads: {top: N}`` replaced by the first N KV heads of ``ranking`` (the
+    retrieval_heads file, or its content) that lie in the hybrid layers, as sorted [layer, kv_head]
+    pairs; a hybrid block that names its heads, or none, comes back unchanged."""
+    out = dict(hybrid)
+    spec = out.get("softmax_heads")
+    if not isinstance(spec, Mapping):
+        return out
+    if ranking is None:
+        raise ValueError(f"softmax_heads: {dict(spec)} needs the model's retrieval_heads ranking")
+    if not isinstance(ranking, Mapping):
+        ranking = json.loads(Path(ranking).read_text())
+    layers = set(out["layers"])
+    eligible = [[h["layer"], h["kv_head"]] for h in ranking["heads"] if h["layer"] in layers]
+    top = int(spec["top"])
+    if top > len(eligible):
+        raise ValueError(f"softmax_heads: top {top} asks for more KV heads than the ranking holds in the "
+                         f"hybrid layers {sorted(layers)} ({len(eligible)})")
+    out["softmax_heads"] = sorted(eligible[:top])
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:

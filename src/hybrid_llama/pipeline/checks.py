@@ -100,6 +100,9 @@ def _check_sparse_cache(p: Pipeline, v: str) -> None:
 
 def _check_softmax_heads(p: Pipeline, v: str) -> None:
     h = p.hybrid(v)
+    if isinstance(h.get("softmax_heads"), dict):
+        _check_ranked_heads(p, v, h)
+        return
     for i, (layer, head) in enumerate(h.get("softmax_heads") or []):
         key = f"variants[{v}].hybrid.softmax_heads[{i}]"
         if layer not in h["layers"]:
@@ -110,6 +113,22 @@ def _check_softmax_heads(p: Pipeline, v: str) -> None:
             n_kv = model_architecture(p, model).get("num_key_value_heads")
             if n_kv is not None and head >= n_kv:
                 raise ConfigError(key, f"KV head {head} does not exist in model '{model}' ({n_kv} KV heads)")
+
+
+def _check_ranked_heads(p: Pipeline, v: str, h: dict) -> None:
+    key = f"variants[{v}].hybrid.softmax_heads.top"
+    if h["formulation"] == "window":
+        raise ConfigError(key, "a window-only variant has no hybrid op to keep heads out of")
+    length = p.config["retrieval_heads"]["context_len"]
+    for model in p.models:
+        arch = model_architecture(p, model)
+        if arch.get("max_position_embeddings") is not None and length > arch["max_position_embeddings"]:
+            raise ConfigError("retrieval_heads.context_len", f"{length} tokens is longer than model '{model}' has "
+                                                             f"positions ({arch['max_position_embeddings']})")
+        n_kv = arch.get("num_key_value_heads")
+        if n_kv is not None and h["softmax_heads"]["top"] > n_kv * len(h["layers"]):
+            raise ConfigError(key, f"{h['softmax_heads']['top']} heads asked, but model '{model}' has "
+                                   f"{n_kv * len(h['layers'])} KV heads in the {len(h['layers'])} hybrid layers")
 
 
 def _key(p: Pipeline, variant: str, section: str, key: str) -> str:

@@ -91,6 +91,8 @@ PATHS: dict[str, str] = {
     "export": "results/{model}/{variant}/model",
     "model_card": "results/{model}/{variant}/model/README.md",
     "throughput": "results/{model}/throughput/{device}.csv",
+    # The base model's KV heads ranked by their attention on a passkey (softmax_heads: {top: N}).
+    "retrieval_heads": "results/{model}/retrieval_heads.json",
     # One folder per model (and variant): names joined by '_' could not be split back apart.
     "plot_mmlu": "results/plots/{model}/mmlu_{fmt}.png",
     "plot_throughput": "results/plots/{model}/throughput_{device}.png",

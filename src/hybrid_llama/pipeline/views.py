@@ -146,6 +146,18 @@ class Pipeline:
     def hybrid(self, variant: str) -> dict:
         return canonical(without_unused_hybrid_keys(self.variants[variant]["hybrid"]))
 
+    def ranks_heads(self, variant: str) -> bool:
+        """Whether the variant keeps ranked heads exact (``softmax_heads: {top: N}``): its models are
+        then built with the model's retrieval_heads ranking."""
+        return isinstance(self.variants[variant]["hybrid"].get("softmax_heads"), dict)
+
+    def heads_ranking(self, model: str, variants: Iterable[str]) -> dict[str, str]:
+        """``{"retrieval_heads": file}`` when one of ``variants`` keeps ranked heads, else ``{}``: the
+        input its jobs add so that they read the heads, and rerun when the ranking changes."""
+        if any(self.ranks_heads(v) for v in variants):
+            return {"retrieval_heads": path("retrieval_heads", model=model)}
+        return {}
+
     def transfer_owner(self, variant: str) -> str:
         return transfer_owner(self.own, variant)
 
@@ -299,6 +311,8 @@ class Pipeline:
         for artifact in STAGE_ARTIFACTS[stage]:
             name, owner = owners[artifact]
             files[name] = path(artifact, model=model, variant=slot if slot in SHARED_STAGES else owner(slot))
+        if stage in VARIANT_STAGES:
+            files.update(self.heads_ranking(model, [slot]))
         return files
 
     def stage_hybrid(self, slot: str, stage: str) -> dict | None:
@@ -378,6 +392,7 @@ class Pipeline:
         owner = self.transfer_owner(variant)
         inputs = {a: path(f, model=model, variant=owner) for a, f in (("layers", "hybrid_layers"),
                                                                       ("teacher_states", "teacher_states"))}
+        inputs.update(self.heads_ranking(model, [variant]))
         recall = self.recall_wildcards(variant)
         return inputs if recall is None else {**inputs, "recall": path("recall_rows", model=model, **recall)}
 
