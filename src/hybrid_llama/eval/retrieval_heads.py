@@ -77,7 +77,6 @@ def rank_retrieval_heads(model, tokenizer, layers: Sequence[int], *, context_len
     return [(layer, head, total[(layer, head)] / len(cells)) for layer, head in ranked]
 
 
-
 def rank_model(model_dir: str | os.PathLike, *, context_len: int = 2048, trials: int = 6) -> dict[str, Any]:
     """The retrieval_heads rule's file: every KV head of every layer of the (base) model in
     ``model_dir``, best first, ranked in float32. Ranking each head on its own, a variant's hybrid
