@@ -160,6 +160,47 @@ def test_the_distillation_weighs_answer_positions_as_the_kl_written_out(tiny_mod
     assert count == 64 and "weights" not in obj.batch("train", [0])
 
 
+def test_answer_target_token_trains_answer_positions_toward_their_own_token(tiny_model_dir, recall_file, tmp_path):
+    from hybrid_llama.stages import load_base
+    from hybrid_llama.train.lora_objectives import DistillObjective
+
+    corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
+    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in student.model.layers[0].parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    obj = DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
+                           device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=3.0,
+                           answer_target="token")
+    n = len(obj.rows["train"])
+    tokens, answers = load_recall_rows(recall_file)
+    row = tokens[2:3]
+    with torch.no_grad():
+        p = torch.softmax(teacher(input_ids=row).logits.double(), -1)[0]
+        logq = torch.log_softmax(student(input_ids=row).logits.double(), -1)[0]
+        kl = (p * (p.log() - logq)).sum(-1)
+        nll = -logq[:-1].gather(-1, row[0, 1:, None]).squeeze(-1)  # position t predicts token t + 1
+        predicts = torch.cat([answers[2, 1:], torch.zeros(1, dtype=torch.bool)])
+        assert int(predicts.sum()) > 0
+        expected = torch.where(predicts, torch.cat([nll, nll.new_zeros(1)]), kl)
+        w = torch.where(predicts, 3.0, 1.0).double()
+        total, count = obj.loss_sum(obj.batch("train", [n + 2]))
+    assert count == pytest.approx(float(w.sum()))
+    assert float(total) == pytest.approx(float((w * expected).sum()), rel=1e-4)
+    # the answer's own token differs from the teacher's distribution: the two targets give other losses
+    teacher_obj = DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
+                                   device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=3.0)
+    with torch.no_grad():
+        assert float(teacher_obj.loss_sum(teacher_obj.batch("train", [n + 2]))[0]) != pytest.approx(float(total))
+        # corpus rows are untouched
+        assert "hard" not in obj.batch("train", [0])
+    with pytest.raises(ValueError, match="answer_target"):
+        DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
+                         device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_target="gold")
+
+
 def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them(
         tiny_model_dir, recall_file, tmp_path):
     import hybrid_llama.train.finetune as ft

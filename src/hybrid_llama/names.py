@@ -22,6 +22,6 @@ MMLU_FORMATS = ("mc", "cloze")
 # training) rather than how training runs.
 CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")
 # The lora keys of recall rows (hybrid_llama.recall_rows); a stage without recall rows is run without them.
-RECALL_KEYS = ("recall_rows", "recall_facts", "recall_seq_len", "answer_weight")
+RECALL_KEYS = ("recall_rows", "recall_facts", "recall_seq_len", "answer_weight", "answer_target")
 # The row files each training corpus is made of: a mixed corpus takes half its tokens from each.
 CORPUS_PARTS = {"documents": ("documents",), "books": ("books",), "mixed": ("documents", "books")}

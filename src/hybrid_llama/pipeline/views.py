@@ -217,10 +217,13 @@ class Pipeline:
 
     def lora_train(self, variant: str) -> dict:
         """What ``run_finetune`` gets: the LoRA section without its corpus (which chose the data file),
-        and without the recall keys when it trains no recall rows (so that a stage's params, and
-        snakemake's rerun decision, stay what they were before those keys existed)."""
+        and without the recall keys when it trains no recall rows, nor answer_target at its default
+        (so that a stage's params, and snakemake's rerun decision, stay what they were before those
+        keys existed)."""
         lora = self.lora(variant)
         drop = {"corpus"} | (set() if lora.get("recall_rows") else set(RECALL_KEYS))
+        if lora.get("answer_target") == "teacher":
+            drop.add("answer_target")
         return {k: v for k, v in lora.items() if k not in drop}
 
     def recall_wildcards(self, variant: str) -> dict[str, str] | None:

@@ -154,7 +154,8 @@ def run_finetune(
         teacher, _ = load_base(model_dir, dtype=dtype, device=device)
         objective = DistillObjective(model, data_path, teacher.requires_grad_(False), eval_sequences=s.eval_sequences,
                                      teacher_states=teacher_states, batch_size=bs, device=device, amp=amp,
-                                     recall_rows=recall_rows, answer_weight=s.answer_weight, **shift)
+                                     recall_rows=recall_rows, answer_weight=s.answer_weight,
+                                     answer_target=s.answer_target, **shift)
     else:
         objective = InstructObjective(model, data_path, max_length=s.max_length,
                                       max_val_examples=s.max_val_examples, batch_size=bs, device=device, amp=amp,

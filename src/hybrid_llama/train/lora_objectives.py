@@ -177,7 +177,7 @@ class DistillObjective(TokenObjective):
     def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
                  teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
                  amp: bool, max_position: int = 0, seed: int = 0, recall_rows: str | os.PathLike | None = None,
-                 answer_weight: float = 1.0) -> None:
+                 answer_weight: float = 1.0, answer_target: str = "teacher") -> None:
         super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
         rows = load_packed(path)
         k = int(eval_sequences)
@@ -185,14 +185,19 @@ class DistillObjective(TokenObjective):
             raise ValueError(f"{path}: {len(rows)} rows, need 1 <= lora.eval_sequences={k} < rows")
         self.rows = {"train": rows[:-k], "val": rows[-k:]}
         # Recall rows train after the corpus's rows (indices from len(rows["train"]) on); each
-        # position's KL is weighted, answer_weight where it predicts an answer token.
-        self.recall: tuple[torch.Tensor, torch.Tensor] | None = None
+        # position's loss is weighted, answer_weight where it predicts an answer token, and with
+        # answer_target 'token' that loss is the answer token's cross-entropy instead of the KL.
+        if answer_target not in ("teacher", "token"):
+            raise ValueError(f"lora.answer_target={answer_target!r}: 'teacher' or 'token'")
+        self.answer_target = answer_target
+        self.recall: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if recall_rows is not None:
             tokens, answers = load_recall_rows(recall_rows)
             if batch_size > 1 and tokens.shape[1] != rows.shape[1]:
                 raise ValueError(f"{recall_rows}: recall rows of {tokens.shape[1]} tokens cannot share batches of "
                                  f"{batch_size} with corpus rows of {rows.shape[1]}: use lora.batch_size 1")
-            self.recall = (tokens, 1.0 + (float(answer_weight) - 1.0) * answer_positions(answers).float())
+            predicts = answer_positions(answers)
+            self.recall = (tokens, 1.0 + (float(answer_weight) - 1.0) * predicts.float(), predicts)
         self.teacher = teacher
         self.teacher_forwards = 0
         self.train_states = None
@@ -218,6 +223,9 @@ class DistillObjective(TokenObjective):
         if any(i >= n for i in idx):  # recall rows: weighted; the transfer's saved states hold corpus rows only
             ones = torch.ones(ids.shape[1])
             batch["weights"] = torch.stack([ones if i < n else self.recall[1][i - n] for i in idx]).to(self.device)
+            if self.answer_target == "token":
+                none = torch.zeros(ids.shape[1], dtype=torch.bool)
+                batch["hard"] = torch.stack([none if i < n else self.recall[2][i - n] for i in idx]).to(self.device)
         elif self.train_states is not None:
             batch["teacher_states"] = self.train_states[idx].to(self.device)
         return batch
@@ -242,25 +250,34 @@ class DistillObjective(TokenObjective):
         finally:
             if recompute:
                 getattr(student, "activation_checkpointing_disable", student.gradient_checkpointing_disable)()
-        weights = batch.get("weights")
+        weights, hard = batch.get("weights"), batch.get("hard")
+        # The token each position predicts, for the positions trained toward it (answer_target 'token').
+        labels = None if hard is None else torch.roll(batch["input_ids"], -1, dims=1)
         total = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[1], KL_CHUNK):
             chunk = slice(s, s + KL_CHUNK)
             w = None if weights is None else weights[:, chunk]
-            total = total + checkpoint(self._kl_sum, student.lm_head, hidden[:, chunk], states[:, chunk], w,
+            h = None if hard is None else (hard[:, chunk], labels[:, chunk])
+            total = total + checkpoint(self._kl_sum, student.lm_head, hidden[:, chunk], states[:, chunk], w, h,
                                        use_reentrant=False)
         count = batch["input_ids"].numel() if weights is None else float(weights.sum())
         return total, count
 
     def _kl_sum(self, lm_head: nn.Module, hidden: torch.Tensor, states: torch.Tensor,
-                weights: torch.Tensor | None) -> torch.Tensor:
-        """KL(teacher || student) summed over these positions (weighted where ``weights`` is given)."""
+                weights: torch.Tensor | None,
+                hard: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """KL(teacher || student) summed over these positions (weighted where ``weights`` is given);
+        where ``hard`` = (mask, labels) marks a position, its term is the cross-entropy of its label."""
         with torch.no_grad():
             target = torch.log_softmax(self.teacher.lm_head(states).float(), dim=-1)
         logp = torch.log_softmax(lm_head(hidden).float(), dim=-1)
         if weights is None:
             return F.kl_div(logp.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="sum")
         per_position = F.kl_div(logp, target, log_target=True, reduction="none").sum(-1)
+        if hard is not None:
+            mask, labels = hard
+            nll = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            per_position = torch.where(mask, nll, per_position)
         return (per_position * weights).sum()
 
 

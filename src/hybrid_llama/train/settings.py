@@ -175,6 +175,7 @@ class LoraSettings(_StageSettings):
     recall_facts: int
     recall_seq_len: int | None
     answer_weight: float
+    answer_target: str
     max_length: int | None
     max_val_examples: int | None
     device: str
