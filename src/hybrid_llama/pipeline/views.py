@@ -217,13 +217,10 @@ class Pipeline:
 
     def lora_train(self, variant: str) -> dict:
         """What ``run_finetune`` gets: the LoRA section without its corpus (which chose the data file),
-        and without the recall keys when it trains no recall rows, nor answer_target at its default
-        (so that a stage's params, and snakemake's rerun decision, stay what they were before those
-        keys existed)."""
+        and without the recall keys when it trains no recall rows (so that a stage's params, and
+        snakemake's rerun decision, stay what they were before those keys existed)."""
         lora = self.lora(variant)
         drop = {"corpus"} | (set() if lora.get("recall_rows") else set(RECALL_KEYS))
-        if lora.get("answer_target") == "teacher":
-            drop.add("answer_target")
         return {k: v for k, v in lora.items() if k not in drop}
 
     def recall_wildcards(self, variant: str) -> dict[str, str] | None:
@@ -235,10 +232,14 @@ class Pipeline:
         return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]), "facts": str(lora["recall_facts"])}
 
     def lora(self, variant: str) -> dict:
-        """LoRA settings of a variant; 'base_lora' gives the control's settings."""
-        if variant == "base_lora":
-            return canonical(deep_merge(self.config["lora"], self.config["base_lora"]))
-        return canonical(deep_merge(self.config["lora"], self.variants[variant].get("lora")))
+        """LoRA settings of a variant; 'base_lora' gives the control's settings. answer_target at its
+        default is left out (LoraSettings fills it in), so that the jobs' params stay what they were
+        before the key existed."""
+        own = self.config["base_lora"] if variant == "base_lora" else self.variants[variant].get("lora")
+        lora = canonical(deep_merge(self.config["lora"], own))
+        if lora.get("answer_target") == "teacher":
+            del lora["answer_target"]
+        return lora
 
     def variant_stages(self, variant: str) -> list[str]:
         """The stages evaluated for a variant: its own 'stages', else the top-level variant stages."""
