@@ -147,8 +147,14 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
 
 def test_lora_control_overrides_only_target():
     wf = make()
-    assert wf.lora("base_lora") == canonical({**schema_defaults("lora"), "target": "all"})
-    assert wf.lora("v") == canonical(schema_defaults("lora"))
+    # answer_target at its default stays out of the params (LoraSettings fills it in), so no job reruns for it
+    defaults = {k: v for k, v in schema_defaults("lora").items() if k != "answer_target"}
+    assert schema_defaults("lora")["answer_target"] == "teacher"
+    assert wf.lora("base_lora") == canonical({**defaults, "target": "all"})
+    assert wf.lora("v") == canonical(defaults)
+    cfg = deep_merge(MINIMAL, {})
+    cfg["variants"][0]["lora"] = {"answer_target": "token"}
+    assert make(cfg).lora("v")["answer_target"] == "token"
 
 
 def test_variant_overrides_merge_into_the_sections():
