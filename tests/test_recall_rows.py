@@ -130,17 +130,24 @@ def _corpus(tmp_path: Path, model_dir: Path, rows: int) -> Path:
     return tmp_path / "corpus.safetensors"
 
 
-def test_the_distillation_weighs_answer_positions_as_the_kl_written_out(tiny_model_dir, recall_file, tmp_path):
+def _teacher_and_student(model_dir, layer: int, seed: int):
+    """The tiny base model twice: the teacher, and a student whose decoder layer ``layer`` is perturbed."""
     from hybrid_llama.stages import load_base
+
+    teacher, _ = load_base(model_dir, dtype=torch.float32)
+    student, _ = load_base(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a student that differs from its teacher
+        for p in student.model.layers[layer].parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return teacher, student
+
+
+def test_the_distillation_weighs_answer_positions_as_the_kl_written_out(tiny_model_dir, recall_file, tmp_path):
     from hybrid_llama.train.lora_objectives import DistillObjective
 
     corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
-    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a student that differs from its teacher
-        for p in student.model.layers[0].parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    teacher, student = _teacher_and_student(tiny_model_dir, layer=0, seed=0)
     obj = DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
                            device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=7.0)
     n = len(obj.rows["train"])
@@ -161,16 +168,10 @@ def test_the_distillation_weighs_answer_positions_as_the_kl_written_out(tiny_mod
 
 
 def test_answer_target_token_trains_answer_positions_toward_their_own_token(tiny_model_dir, recall_file, tmp_path):
-    from hybrid_llama.stages import load_base
     from hybrid_llama.train.lora_objectives import DistillObjective
 
     corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
-    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in student.model.layers[0].parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    teacher, student = _teacher_and_student(tiny_model_dir, layer=0, seed=1)
     obj = DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
                            device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=3.0,
                            answer_target="token")
@@ -285,22 +286,18 @@ def test_recall_rows_where_they_cannot_train_fail_naming_the_key(lora, base_lora
     assert err.value.key == key
 
 
+@pytest.mark.parametrize("answer_target", ["teacher", "token"])
 def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(tiny_model_dir, recall_file, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, answer_target):
     """Long rows are scored a chunk of positions at a time (recomputed in the backward); the loss and
-    every gradient equal the one-piece computation, weighted or not."""
+    every gradient equal the one-piece computation, weighted or not, with the answers' targets either way."""
     import hybrid_llama.train.lora_objectives as lo
-    from hybrid_llama.stages import load_base
 
     corpus = _corpus(tmp_path, tiny_model_dir, rows=6)
-    teacher, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    student, _ = load_base(tiny_model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in student.model.layers[1].parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    teacher, student = _teacher_and_student(tiny_model_dir, layer=1, seed=1)
     obj = lo.DistillObjective(student, corpus, teacher, eval_sequences=2, teacher_states=None, batch_size=1,
-                              device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=5.0)
+                              device=torch.device("cpu"), amp=False, recall_rows=recall_file, answer_weight=5.0,
+                              answer_target=answer_target)
     n = len(obj.rows["train"])
 
     def loss_and_grads(rows):
