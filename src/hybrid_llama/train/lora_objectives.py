@@ -189,15 +189,14 @@ class DistillObjective(TokenObjective):
         # answer_target 'token' that loss is the answer token's cross-entropy instead of the KL.
         if answer_target not in ("teacher", "token"):
             raise ValueError(f"lora.answer_target={answer_target!r}: 'teacher' or 'token'")
-        self.answer_target = answer_target
-        self.recall: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.answer_target, self.answer_weight = answer_target, float(answer_weight)
+        self.recall: tuple[torch.Tensor, torch.Tensor] | None = None  # (tokens, positions predicting an answer)
         if recall_rows is not None:
             tokens, answers = load_recall_rows(recall_rows)
             if batch_size > 1 and tokens.shape[1] != rows.shape[1]:
                 raise ValueError(f"{recall_rows}: recall rows of {tokens.shape[1]} tokens cannot share batches of "
                                  f"{batch_size} with corpus rows of {rows.shape[1]}: use lora.batch_size 1")
-            predicts = answer_positions(answers)
-            self.recall = (tokens, 1.0 + (float(answer_weight) - 1.0) * predicts.float(), predicts)
+            self.recall = (tokens, answer_positions(answers))
         self.teacher = teacher
         self.teacher_forwards = 0
         self.train_states = None
@@ -221,11 +220,11 @@ class DistillObjective(TokenObjective):
         ids = torch.stack([self.rows["train"][i] if i < n else self.recall[0][i - n] for i in idx]).to(self.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if any(i >= n for i in idx):  # recall rows: weighted; the transfer's saved states hold corpus rows only
-            ones = torch.ones(ids.shape[1])
-            batch["weights"] = torch.stack([ones if i < n else self.recall[1][i - n] for i in idx]).to(self.device)
+            none = torch.zeros(ids.shape[1], dtype=torch.bool)
+            predicts = torch.stack([none if i < n else self.recall[1][i - n] for i in idx]).to(self.device)
+            batch["weights"] = 1.0 + (self.answer_weight - 1.0) * predicts.float()
             if self.answer_target == "token":
-                none = torch.zeros(ids.shape[1], dtype=torch.bool)
-                batch["hard"] = torch.stack([none if i < n else self.recall[2][i - n] for i in idx]).to(self.device)
+                batch["hard"] = predicts
         elif self.train_states is not None:
             batch["teacher_states"] = self.train_states[idx].to(self.device)
         return batch
