@@ -168,6 +168,40 @@ def test_accuracy_on_a_tiny_model_equals_the_builtin_task(tiny_model):
             assert e["loglikelihoods"] == pytest.approx(ref_ll[e["doc_id"]], abs=1e-5)
 
 
+def test_tail_logits_score_as_hflm_and_project_only_the_scored_positions(tiny_model):
+    """TailLogitsLM's loglikelihoods equal plain HFLM's on requests of unequal lengths in one batch
+    (right padding, an input that itself ends in the pad id, a one-token and a long continuation),
+    and its model calls project fewer positions than the batch holds."""
+    from lm_eval.models.huggingface import HFLM
+
+    from hybrid_llama.eval.tail_logits import PAD, TailLogitsLM
+
+    model, tok = tiny_model
+    requests = [(("", ""), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [17]),
+                (("", ""), [21, 22, 23, PAD], [24, 25]),
+                (("", ""), [31, 32, 33, 34, 35, 36], [37, 38, 39, 40]),
+                (("", ""), [41, 42, 43, 44, 45, 46, 47, 48], [49])]
+    ref = HFLM(pretrained=model, tokenizer=tok, batch_size=4)._loglikelihood_tokens(requests)
+    lm = TailLogitsLM(pretrained=model, tokenizer=tok, batch_size=4)
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append((args[0].shape[1], kwargs.get("logits_to_keep")))
+        return forward(*args, **kwargs)
+
+    model.forward = recording
+    try:
+        ours = lm._loglikelihood_tokens(requests)
+    finally:
+        model.forward = forward
+    for (ll, greedy), (ll_ref, greedy_ref) in zip(ours, ref, strict=True):
+        assert ll == pytest.approx(ll_ref, abs=1e-5) and greedy == greedy_ref
+    # one batch of 4: padded to 12 positions, scored from position 3 on (the second request: 4 + 2 - 1
+    # inputs, the last 2 scored), so the last 9 are projected
+    assert seen == [(12, 9)]
+
+
 # ----------------------------------------------------------------- sampling and statistics
 
 

@@ -149,7 +149,8 @@ def run_suite(
     import lm_eval
     import torch
     import transformers
-    from lm_eval.models.huggingface import HFLM
+
+    from hybrid_llama.eval.tail_logits import TailLogitsLM
 
     tasks = list(tasks or SUITE)
     unknown = set(tasks) - set(SUITE)
@@ -167,7 +168,7 @@ def run_suite(
     if config is not None:
         config.use_cache = False
     try:
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm = TailLogitsLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         started = datetime.now(timezone.utc)
         t0 = time.perf_counter()
         out = lm_eval.simple_evaluate(model=lm, tasks=top, samples=samples, log_samples=True,
