@@ -1,9 +1,9 @@
 """lm-eval's HFLM, with the vocabulary projected only at the positions a request scores.
 
 HFLM asks the model for logits at every input position and log-softmaxes all of them, while a
-loglikelihood request reads only its continuation's positions. For SmolLM2-135M the lm_head (49,152
-words) and that log-softmax are about a third of a 5-shot MMLU forward, for a one-token answer.
-``TailLogitsLM`` passes ``logits_to_keep`` so that the model projects the batch's last positions
+loglikelihood request reads only its continuation's positions; for a small model with a large
+vocabulary that projection is a large share of the forward (docs/performance.md, "Zero-shot
+scoring"). ``TailLogitsLM`` passes ``logits_to_keep`` so that the model projects the batch's last positions
 only, from the earliest position any of its rows scores. HFLM itself places a row's continuation
 from the end of the logits it gets (``inplen + logits_len - padded_len``), so every score is the
 one HFLM computes; the zero-shot tests compare them with plain HFLM's on lm-eval's built-in tasks.
