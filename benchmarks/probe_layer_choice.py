@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
+from hybrid_llama.books import read_books
+from hybrid_llama.eval.perplexity import window_nll
 from hybrid_llama.layers import HybridConfig
 from hybrid_llama.stages import load_stage
 
 
-@torch.no_grad()
 def tail_nll(model, ids: torch.Tensor, tail: int) -> float:
-    out = model(input_ids=ids[None], use_cache=False, logits_to_keep=tail + 1)
-    logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-    return float(-logp.gather(-1, ids[-tail:, None]).mean())
+    """Mean NLL of the last ``tail`` tokens of one window (the perplexity evaluation's scoring)."""
+    return float(window_nll(model, ids[None], tail).mean())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     base, tok = load_stage(args.model_dir, "base", dtype=dtype)
     n_layers = base.config.num_hidden_layers
     spans = []
-    for book in args.books.split(","):
-        text = (Path(args.books_dir) / f"{book}.txt").read_text(encoding="utf-8")
+    for text in read_books(args.books_dir, args.books.split(",")):
         ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         for i in range(args.windows):
             end = args.length + (len(ids) - args.length) * (i + 1) // (args.windows + 1)
