@@ -147,8 +147,9 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
 
 def test_lora_control_overrides_only_target():
     wf = make()
-    # answer_target at its default stays out of the params (LoraSettings fills it in), so no job reruns for it
-    defaults = {k: v for k, v in schema_defaults("lora").items() if k != "answer_target"}
+    # answer_target and position_draw at their defaults stay out of the params (LoraSettings fills
+    # them in), so no job reruns for them
+    defaults = {k: v for k, v in schema_defaults("lora").items() if k not in ("answer_target", "position_draw")}
     assert schema_defaults("lora")["answer_target"] == "teacher"
     assert wf.lora("base_lora") == canonical({**defaults, "target": "all"})
     assert wf.lora("v") == canonical(defaults)
@@ -309,6 +310,27 @@ def test_formulations_of_the_schema_are_the_ops():
     hybrid = config.load_schema()["$defs"]["hybrid"]["properties"]
     assert tuple(hybrid["formulation"]["enum"]) == FORMULATIONS
     assert tuple(config.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES
+    from hybrid_llama.train.positions import POSITION_DRAWS
+
+    for section in ("transfer", "lora"):
+        assert tuple(config.load_schema()["$defs"][section]["properties"]["position_draw"]["enum"]) == \
+            POSITION_DRAWS
+
+
+def test_position_draw_is_a_param_where_it_leaves_its_default_only():
+    """At its default (the draw of every run before the key) it stays out of the params, so adding the
+    key reran no stage; set otherwise it is a param, so changing it retrains the stage."""
+    from hybrid_llama.train.settings import LoraSettings, TransferSettings
+
+    wf = make()
+    assert "position_draw" not in wf.transfer_train("v") and "position_draw" not in wf.lora_train("v")
+    cfg = deep_merge(MINIMAL, {})
+    cfg["variants"][0]["transfer"] = {"max_position": 2048, "seq_len": 512, "position_draw": "cover"}
+    cfg["variants"][0]["lora"] = {"max_position": 2048}
+    wf = make(cfg)
+    assert wf.transfer_train("v")["position_draw"] == "cover" and "position_draw" not in wf.lora_train("v")
+    assert TransferSettings.from_dict(wf.transfer_train("v")).position_draw == "cover"
+    assert LoraSettings.from_dict(wf.lora_train("v")).position_draw == "uniform"
 
 
 DERIVED = {**MINIMAL, "variants": [

@@ -43,6 +43,41 @@ def test_row_offsets_are_seeded_per_row_and_step_and_stay_in_range():
     assert position_ids([3, 7], 4, "cpu").tolist() == [[3, 4, 5, 6], [7, 8, 9, 10]]
 
 
+def _coverage(draw: str, seq_len: int, max_position: int, n: int) -> tuple[torch.Tensor, list[int]]:
+    """The share of n drawn rows that hold each position below max_position, and the starts."""
+    starts = [o for s in range(n) for o in row_offsets([0], s, 0, seq_len, max_position, draw)]
+    held = torch.zeros(max_position)
+    for s in starts:
+        held[s : s + seq_len] += 1
+    return held / n, starts
+
+
+def test_cover_draw_trains_every_position_and_uniform_leaves_the_last_ones():
+    """The two laws, counted over many draws against their definitions (train.positions): cover's start
+    is uniform on [-(L - 1), M - 1] clamped into [0, M - L], so every position is held by at least
+    L / (M + L - 1) of the rows and each end is a start that often; uniform's start is uniform on
+    [0, M - L], so position M - 1 is held by 1 / (M - L + 1) of them."""
+    L, M, n = 100, 1000, 20000
+    floor = L / (M + L - 1)
+    cover, starts = _coverage("cover", L, M, n)
+    assert min(starts) == 0 and max(starts) == M - L
+    assert float(cover.min()) > 0.93 * floor  # binomial noise of n draws: sd about 2.4 % of floor
+    for p in (0, M - 1):
+        assert float(cover[p]) == pytest.approx(floor, rel=0.07)
+    assert starts.count(0) / n == pytest.approx(floor, rel=0.07) == starts.count(M - L) / n
+    assert float(cover[M // 2]) == pytest.approx(L / (M + L - 1), rel=0.07)  # the middle: no row clamped
+    uniform, _ = _coverage("uniform", L, M, n)
+    assert float(uniform[M - 1]) < 0.1 * floor and float(uniform[M // 2]) == pytest.approx(L / (M - L + 1), rel=0.07)
+
+
+def test_uniform_draw_reproduces_the_starts_before_the_cover_draw():
+    """Runs trained before position_draw existed used the uniform law: the same seeds give the same starts."""
+    assert row_offsets([0, 1, 2, 3], 5, 0, 2048, 8192, "uniform") == [2889, 1471, 3261, 3323]
+    assert row_offsets([7], 11, 3, 100, 1000, "uniform") == [530]
+    with pytest.raises(ValueError, match="position draw 'edges'"):
+        row_offsets([0], 1, 0, 100, 1000, "edges")
+
+
 def test_max_position_is_checked_against_the_row_and_the_model():
     check_max_position(0, 2048, 8192, "transfer.max_position")
     check_max_position(8192, 2048, 8192, "transfer.max_position")
@@ -139,3 +174,18 @@ def test_lora_trains_shifted_rows_and_validates_at_zero(lively_dir, rows_path, t
         assert (p[:, 0] >= 0).all() and (p[:, -1] < 1024).all()
     assert len({int(x) for p in trained for x in p[:, 0]}) > 1
     assert all(p is None for training, p in seen if not training)  # validation at positions 0..T-1
+
+
+def test_window_nll_at_a_start_moves_a_hybrid_and_leaves_softmax(lively_dir):
+    """``window_nll(..., start)`` scores the window at positions start.. (benchmarks/probe_positions.py):
+    base, relative in position, scores the same; a converted hybrid, whose maps read the angles, does not."""
+    from hybrid_llama.eval.perplexity import window_nll
+    from hybrid_llama.stages import load_stage
+
+    base, _ = load_stage(lively_dir, "base", dtype=torch.float32)
+    hybrid, _ = load_stage(lively_dir, "converted", hybrid=HEDGEHOG, dtype=torch.float32)
+    w = torch.randint(3, base.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(4))
+    at0, at3000 = window_nll(base, w, 16), window_nll(base, w, 16, start=3000)
+    assert torch.allclose(at0, at3000, atol=2e-3)
+    moved = (window_nll(hybrid, w, 16) - window_nll(hybrid, w, 16, start=3000)).abs().max()
+    assert moved > 1e-2 and moved > 10 * (at0 - at3000).abs().max()

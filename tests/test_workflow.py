@@ -511,9 +511,10 @@ def test_whole_dag_outputs(built):
     lora = json.loads((wf / f"results/{M}/{L}/lora/metrics.json").read_text())
     assert lora["objective"] == "distill" and lora["val_metric"] == "kl"
     assert "model.layers.2.self_attn.feature_map" in lora["modules_to_save"]
-    # both of its stages trained at shifted positions, as config/test.yaml asks
+    # both of its stages trained at shifted positions, drawn as config/test.yaml asks
     transfer = json.loads((wf / f"results/{M}/{L}/transfer/metrics.json").read_text())
     assert transfer["train"]["max_position"] == 1024 and lora["lora"]["max_position"] == 1024
+    assert transfer["train"]["position_draw"] == "cover" and lora["lora"]["position_draw"] == "uniform"
     # the window-only control's share of the normalizer is the window's, entirely
     shares = (wf / f"results/{M}/{C}/quality/{D}/components.csv").read_text().splitlines()[1:]
     assert shares and all(float(line.split(",")[3]) == 1.0 for line in shares)

@@ -61,9 +61,13 @@ def perplexity_windows(
 
 
 @torch.no_grad()
-def window_nll(model, windows: torch.Tensor, tail: int) -> torch.Tensor:
-    """Per-token NLL [B, tail] of the last `tail` tokens of each window [B, L] (fp32)."""
-    logits = model(input_ids=windows, logits_to_keep=tail + 1).logits[:, :-1].float()
+def window_nll(model, windows: torch.Tensor, tail: int, start: int = 0) -> torch.Tensor:
+    """Per-token NLL [B, tail] of the last `tail` tokens of each window [B, L] (fp32), the window's
+    first token at position ``start``."""
+    moved = {}
+    if start:
+        moved["position_ids"] = torch.arange(start, start + windows.shape[1], device=windows.device)[None]
+    logits = model(input_ids=windows, logits_to_keep=tail + 1, **moved).logits[:, :-1].float()
     targets = windows[:, -tail:]
     logp = torch.log_softmax(logits, dim=-1)
     return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

@@ -30,12 +30,22 @@ from .paths import (
 )
 from .variants import lora_owner, resolve_variants, transfer_owner
 
+# Training keys added after runs existed, with the default that reproduces those runs.
+LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform"}
+
 __all__ = ["Pipeline"]
 
 
 def _each_once(items: list) -> list:
     """The items in order without repeats; they may be unhashable (dicts of wildcards)."""
     return [x for i, x in enumerate(items) if x not in items[:i]]
+
+
+def _without_defaults(stage: dict) -> dict:
+    """A training stage's settings without the keys added later, where they hold their default (the
+    stage's settings class fills them in): the stage's params, and snakemake's rerun decision, stay
+    what they were before each key existed."""
+    return {k: v for k, v in stage.items() if LATER_KEYS.get(k, object()) != v}
 
 
 def _corpus_wildcards(transfer: dict) -> dict[str, str]:
@@ -170,8 +180,8 @@ class Pipeline:
 
     def transfer_train(self, variant: str) -> dict:
         """What ``run_transfer`` gets: the transfer section without the corpus keys (the corpus is
-        its input file)."""
-        return {k: v for k, v in self.transfer(variant).items() if k not in CORPUS_KEYS}
+        its input file), and without the later keys at their defaults (``_without_defaults``)."""
+        return _without_defaults({k: v for k, v in self.transfer(variant).items() if k not in CORPUS_KEYS})
 
     def corpus(self, variant: str) -> dict[str, str]:
         """The wildcards of the variant's transfer corpus: ``{seq_len, num_tokens}``."""
@@ -232,14 +242,10 @@ class Pipeline:
         return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]), "facts": str(lora["recall_facts"])}
 
     def lora(self, variant: str) -> dict:
-        """LoRA settings of a variant; 'base_lora' gives the control's settings. answer_target at its
-        default is left out (LoraSettings fills it in), so that the jobs' params stay what they were
-        before the key existed."""
+        """LoRA settings of a variant; 'base_lora' gives the control's settings; the later keys at
+        their defaults are left out (``_without_defaults``)."""
         own = self.config["base_lora"] if variant == "base_lora" else self.variants[variant].get("lora")
-        lora = canonical(deep_merge(self.config["lora"], own))
-        if lora.get("answer_target") == "teacher":
-            del lora["answer_target"]
-        return lora
+        return _without_defaults(canonical(deep_merge(self.config["lora"], own)))
 
     def variant_stages(self, variant: str) -> list[str]:
         """The stages evaluated for a variant: its own 'stages', else the top-level variant stages."""

@@ -145,7 +145,7 @@ def run_finetune(
     bs = int(s.loop.batch_size)
     positions = getattr(model.config, "max_position_embeddings", None)
     check_max_position(int(s.max_position), 1, positions, "lora.max_position")
-    shift = {"max_position": int(s.max_position), "seed": int(s.loop.seed)}
+    shift = {"max_position": int(s.max_position), "seed": int(s.loop.seed), "position_draw": s.position_draw}
     objective: TokenObjective
     _check_recall_rows(s, recall_rows)
     if s.objective == "distill":

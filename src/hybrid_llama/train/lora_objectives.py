@@ -39,7 +39,8 @@ class TokenObjective(Objective):
     """A per-token loss of ``model`` (the peft-wrapped model; its parameters that require grad train).
 
     A subclass names its data (:meth:`split_rows`, :meth:`batch`) and its summed loss (:meth:`loss_sum`).
-    With ``max_position`` each training row runs at a randomly shifted start (``train.positions``);
+    With ``max_position`` each training row runs at a randomly shifted start, drawn as ``position_draw``
+    says (``train.positions``);
     validation rows start at 0.
     """
 
@@ -49,9 +50,9 @@ class TokenObjective(Objective):
     teacher_forwards: int | None = None  # teacher forwards run, where there is a teacher
 
     def __init__(self, model: nn.Module, *, batch_size: int, device: torch.device, amp: bool,
-                 max_position: int = 0, seed: int = 0) -> None:
+                 max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
         self.model, self.batch_size, self.device, self.amp = model, batch_size, device, amp
-        self.max_position, self.seed = max_position, seed
+        self.max_position, self.seed, self.position_draw = max_position, seed, position_draw
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.val_before: float | None = None
         self.val_per_epoch: list[float] = []
@@ -80,7 +81,7 @@ class TokenObjective(Objective):
     def loss(self, rows: list[int], step: int) -> MicroLoss:
         batch = self.batch("train", rows)
         width = batch["input_ids"].shape[1]
-        offsets = row_offsets(rows, step, self.seed, width, self.max_position)
+        offsets = row_offsets(rows, step, self.seed, width, self.max_position, self.position_draw)
         if offsets is not None:
             batch["position_ids"] = position_ids(offsets, width, self.device)
         with autocast(self.device, self.amp):
@@ -140,8 +141,9 @@ class InstructObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, *, max_length: int | None,
                  max_val_examples: int | None, batch_size: int, device: torch.device, amp: bool,
-                 max_position: int = 0, seed: int = 0) -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
+                 max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed,
+                         position_draw=position_draw)
         self.splits = {"train": load_instruct(path, "train"), "val": load_instruct(path, "val")}
         if max_val_examples is not None:
             self.splits["val"] = {k: v[: int(max_val_examples)] for k, v in self.splits["val"].items()}
@@ -176,9 +178,11 @@ class DistillObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
                  teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
-                 amp: bool, max_position: int = 0, seed: int = 0, recall_rows: str | os.PathLike | None = None,
+                 amp: bool, max_position: int = 0, seed: int = 0, position_draw: str = "uniform",
+                 recall_rows: str | os.PathLike | None = None,
                  answer_weight: float = 1.0, answer_target: str = "teacher") -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed)
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed,
+                         position_draw=position_draw)
         rows = load_packed(path)
         k = int(eval_sequences)
         if not 1 <= k < len(rows):

@@ -5,15 +5,26 @@ absolute positions t and j. Rows that always start at position 0 show the maps o
 the first ``seq_len`` positions; past them the maps read inputs they never saw (docs/long-context.md).
 Softmax attention depends only on ``t - j``, so shifting a whole row by one offset leaves the
 teacher's outputs (its targets) unchanged and moves only what the feature maps read. ``max_position``
-(the ``transfer`` and ``lora`` key) draws each training row's start uniformly from
-``[0, max_position - row length]``; 0 leaves every row at position 0.
+(the ``transfer`` and ``lora`` key) draws each training row's start below it; 0 leaves every row at
+position 0. ``position_draw`` says how (L the row length):
+
+- ``uniform`` (the default): a start uniform in ``[0, max_position - L]``. A position p past
+  ``max_position - L`` lies in a row with probability ``(max_position - p) / (max_position - L + 1)``,
+  so the last positions, where an evaluation at ``max_position`` tokens asks its questions, are
+  almost never trained.
+- ``cover``: a start uniform in ``[-(L - 1), max_position - 1]``, clamped into ``[0, max_position - L]``.
+  Every position below ``max_position`` then lies in a row with probability at least
+  ``L / (max_position + L - 1)``, the first and last included. On the recommended recipe it gains
+  NLL near ``max_position`` and loses the passkeys there (docs/long-context.md, "Positions near the end").
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_max_position", "row_offsets", "position_ids"]
+__all__ = ["POSITION_DRAWS", "check_max_position", "row_offsets", "position_ids"]
+
+POSITION_DRAWS = ("uniform", "cover")
 
 
 def check_max_position(max_position: int, seq_len: int, model_positions: int | None, key: str) -> None:
@@ -27,16 +38,22 @@ def check_max_position(max_position: int, seq_len: int, model_positions: int | N
         raise ValueError(f"{key}={max_position} exceeds the model's {model_positions} positions")
 
 
-def row_offsets(rows: list[int], step: int, seed: int, seq_len: int, max_position: int) -> list[int] | None:
+def row_offsets(rows: list[int], step: int, seed: int, seq_len: int, max_position: int,
+                draw: str = "uniform") -> list[int] | None:
     """Each training row's start position at optimizer step ``step``, or None (``max_position`` 0, or no
-    room). A function of (seed, step, row) only, so a resumed run shifts every batch as before."""
+    room), drawn as ``draw`` says (``POSITION_DRAWS``, module docstring). A function of (seed, step,
+    row) only, so a resumed run shifts every batch as before."""
+    if draw not in POSITION_DRAWS:
+        raise ValueError(f"position draw {draw!r}: expected one of {POSITION_DRAWS}")
     room = max_position - seq_len
     if max_position == 0 or room <= 0:
         return None
+    low = 0 if draw == "uniform" else 1 - seq_len
+    high = room if draw == "uniform" else max_position - 1
     out = []
     for r in rows:
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + int(r))
-        out.append(int(torch.randint(0, room + 1, (1,), generator=g)))
+        out.append(min(max(int(torch.randint(low, high + 1, (1,), generator=g)), 0), room))
     return out
 
 

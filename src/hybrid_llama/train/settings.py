@@ -157,6 +157,7 @@ class TransferSettings(_StageSettings):
     teacher_cache_gib: float
     teacher_states: bool
     max_position: int
+    position_draw: str
 
 
 @dataclass(frozen=True)
@@ -182,3 +183,4 @@ class LoraSettings(_StageSettings):
     dtype: str
     autocast: bool
     max_position: int
+    position_draw: str

@@ -99,7 +99,8 @@ class AttentionTransfer(Objective):
     Held-out MSE is measured before training (``validate(0)``, kept in ``mse_before``) and after it
     (``heldout_mse``, by run_transfer), not between epochs: loss.csv holds the training MSEs only.
     With ``max_position`` each training row's students see the RoPE angles of a randomly shifted
-    start (``train.positions``); the teacher's outputs, relative in position, stay the targets.
+    start, drawn as ``position_draw`` says (``train.positions``); the teacher's outputs, relative in
+    position, stay the targets.
     """
 
     name = "transfer"
@@ -107,11 +108,11 @@ class AttentionTransfer(Objective):
 
     def __init__(self, students: nn.ModuleDict, named: list[tuple[str, nn.Parameter]], cache: TeacherCache,
                  train_rows: torch.Tensor, eval_rows: torch.Tensor, *, batch_size: int, device: torch.device,
-                 amp: bool, max_position: int = 0, seed: int = 0) -> None:
+                 amp: bool, max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
         self.students, self.named, self.cache = students, named, cache
         self.train_rows, self.eval_rows = train_rows, eval_rows
         self.batch_size, self.device, self.amp = batch_size, device, amp
-        self.max_position, self.seed = max_position, seed
+        self.max_position, self.seed, self.position_draw = max_position, seed, position_draw
         self.mse_before: dict[int, float] = {}
 
     @property
@@ -143,7 +144,7 @@ class AttentionTransfer(Objective):
 
     def _shifted_rope(self, rows: list[int], step: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         seq_len = self.train_rows.shape[1]
-        offsets = row_offsets(rows, step, self.seed, seq_len, self.max_position)
+        offsets = row_offsets(rows, step, self.seed, seq_len, self.max_position, self.position_draw)
         if offsets is None:
             return None
         return self.cache.tap.teacher.model.rotary_emb(like, position_ids(offsets, seq_len, like.device))
@@ -231,7 +232,8 @@ def run_transfer(
     cache_bytes = float(s.teacher_cache_gib) * 2**30 if int(s.loop.epochs) > 1 else 0.0
     cache = TeacherCache(tap, len(train_rows), cache_bytes, final_states=bool(s.teacher_states))
     objective = AttentionTransfer(students, named, cache, train_rows, eval_rows, batch_size=bs, device=device, amp=amp,
-                                  max_position=int(s.max_position), seed=int(s.loop.seed))
+                                  max_position=int(s.max_position), seed=int(s.loop.seed),
+                                  position_draw=s.position_draw)
     try:
         result = fit(objective, s.loop, s.optimizer, out, callback)
         students.eval()
