@@ -13,7 +13,8 @@ import hybrid_llama.train.transfer as tr
 from hybrid_llama.data import load_packed, prepare_transfer_corpus
 from hybrid_llama.models import make_hybrid_attention
 from hybrid_llama.stages import as_hybrid_config, load_base
-from hybrid_llama.train.positions import check_max_position, position_ids, row_offsets
+from hybrid_llama.train.positions import RowShift, check_max_position, position_ids, row_offsets
+from hybrid_llama.train.settings import LoraSettings, TransferSettings
 from hybrid_llama.train.trainer import batch_order
 
 HEDGEHOG = {"layers": [1, 3], "window": 4, "formulation": "lolcats", "feature_map": "hedgehog"}
@@ -76,6 +77,21 @@ def test_uniform_draw_reproduces_the_starts_before_the_cover_draw():
     assert row_offsets([7], 11, 3, 100, 1000, "uniform") == [530]
     with pytest.raises(ValueError, match="position draw 'edges'"):
         row_offsets([0], 1, 0, 100, 1000, "edges")
+
+
+def test_row_shift_reads_a_stage_settings_and_gives_the_drawn_position_ids():
+    """The objectives' one value for (max_position, seed, draw): its position ids are the drawn starts'."""
+    s = TransferSettings.from_dict({"max_position": 8192, "seed": 3, "position_draw": "cover"})
+    shift = RowShift.of(s)
+    assert shift == RowShift(8192, 3, "cover")
+    assert RowShift.of(LoraSettings.from_dict({"max_position": 4096, "seed": 5})) == RowShift(4096, 5, "uniform")
+    ids = shift.position_ids([0, 4], 7, 2048, "cpu")
+    starts = row_offsets([0, 4], 7, 3, 2048, 8192, "cover")
+    assert ids.tolist() == [list(range(a, a + 2048)) for a in starts]
+    assert RowShift().position_ids([0], 1, 2048, "cpu") is None  # max_position 0: rows stay at 0
+    assert RowShift(2048, 0).position_ids([0], 1, 2048, "cpu") is None  # no room to shift
+    with pytest.raises(ValueError, match="position draw 'edges'"):
+        RowShift(8192, 0, "edges")
 
 
 def test_max_position_is_checked_against_the_row_and_the_model():

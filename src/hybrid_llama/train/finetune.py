@@ -28,7 +28,7 @@ from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
 from hybrid_llama.train.compute import autocast_active, pick_device, seed_everything
 from hybrid_llama.train.lora_objectives import DistillObjective, InstructObjective, TokenObjective
-from hybrid_llama.train.positions import check_max_position
+from hybrid_llama.train.positions import RowShift, check_max_position
 from hybrid_llama.train.settings import AdapterSettings, LoraSettings
 from hybrid_llama.train.trainer import fit
 
@@ -145,7 +145,7 @@ def run_finetune(
     bs = int(s.loop.batch_size)
     positions = getattr(model.config, "max_position_embeddings", None)
     check_max_position(int(s.max_position), 1, positions, "lora.max_position")
-    shift = {"max_position": int(s.max_position), "seed": int(s.loop.seed), "position_draw": s.position_draw}
+    shift = RowShift.of(s)
     objective: TokenObjective
     _check_recall_rows(s, recall_rows)
     if s.objective == "distill":
@@ -155,11 +155,11 @@ def run_finetune(
         objective = DistillObjective(model, data_path, teacher.requires_grad_(False), eval_sequences=s.eval_sequences,
                                      teacher_states=teacher_states, batch_size=bs, device=device, amp=amp,
                                      recall_rows=recall_rows, answer_weight=s.answer_weight,
-                                     answer_target=s.answer_target, **shift)
+                                     answer_target=s.answer_target, shift=shift)
     else:
         objective = InstructObjective(model, data_path, max_length=s.max_length,
                                       max_val_examples=s.max_val_examples, batch_size=bs, device=device, amp=amp,
-                                      **shift)
+                                      shift=shift)
 
     result = fit(objective, s.loop, s.optimizer, out, callback)
 

@@ -27,7 +27,7 @@ from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.recall_rows import answer_positions, load_recall_rows
 from hybrid_llama.train.compute import autocast, autocast_active
 from hybrid_llama.train.errors import NonFiniteError
-from hybrid_llama.train.positions import position_ids, row_offsets
+from hybrid_llama.train.positions import NO_SHIFT, RowShift
 from hybrid_llama.train.trainer import MicroLoss, Objective
 
 __all__ = ["TokenObjective", "InstructObjective", "DistillObjective"]
@@ -39,9 +39,8 @@ class TokenObjective(Objective):
     """A per-token loss of ``model`` (the peft-wrapped model; its parameters that require grad train).
 
     A subclass names its data (:meth:`split_rows`, :meth:`batch`) and its summed loss (:meth:`loss_sum`).
-    With ``max_position`` each training row runs at a randomly shifted start, drawn as ``position_draw``
-    says (``train.positions``);
-    validation rows start at 0.
+    ``shift`` runs each training row at a randomly shifted start (``train.positions``); validation
+    rows start at 0.
     """
 
     name = "lora"
@@ -50,9 +49,8 @@ class TokenObjective(Objective):
     teacher_forwards: int | None = None  # teacher forwards run, where there is a teacher
 
     def __init__(self, model: nn.Module, *, batch_size: int, device: torch.device, amp: bool,
-                 max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
-        self.model, self.batch_size, self.device, self.amp = model, batch_size, device, amp
-        self.max_position, self.seed, self.position_draw = max_position, seed, position_draw
+                 shift: RowShift = NO_SHIFT) -> None:
+        self.model, self.batch_size, self.device, self.amp, self.shift = model, batch_size, device, amp, shift
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.val_before: float | None = None
         self.val_per_epoch: list[float] = []
@@ -81,9 +79,9 @@ class TokenObjective(Objective):
     def loss(self, rows: list[int], step: int) -> MicroLoss:
         batch = self.batch("train", rows)
         width = batch["input_ids"].shape[1]
-        offsets = row_offsets(rows, step, self.seed, width, self.max_position, self.position_draw)
-        if offsets is not None:
-            batch["position_ids"] = position_ids(offsets, width, self.device)
+        shifted = self.shift.position_ids(rows, step, width, self.device)
+        if shifted is not None:
+            batch["position_ids"] = shifted
         with autocast(self.device, self.amp):
             total, count = self.loss_sum(batch)
         loss = total / max(1, count)
@@ -141,9 +139,8 @@ class InstructObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, *, max_length: int | None,
                  max_val_examples: int | None, batch_size: int, device: torch.device, amp: bool,
-                 max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed,
-                         position_draw=position_draw)
+                 shift: RowShift = NO_SHIFT) -> None:
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, shift=shift)
         self.splits = {"train": load_instruct(path, "train"), "val": load_instruct(path, "val")}
         if max_val_examples is not None:
             self.splits["val"] = {k: v[: int(max_val_examples)] for k, v in self.splits["val"].items()}
@@ -178,11 +175,9 @@ class DistillObjective(TokenObjective):
 
     def __init__(self, model: nn.Module, path: str | os.PathLike, teacher: nn.Module, *, eval_sequences: int,
                  teacher_states: str | os.PathLike | None, batch_size: int, device: torch.device,
-                 amp: bool, max_position: int = 0, seed: int = 0, position_draw: str = "uniform",
-                 recall_rows: str | os.PathLike | None = None,
+                 amp: bool, shift: RowShift = NO_SHIFT, recall_rows: str | os.PathLike | None = None,
                  answer_weight: float = 1.0, answer_target: str = "teacher") -> None:
-        super().__init__(model, batch_size=batch_size, device=device, amp=amp, max_position=max_position, seed=seed,
-                         position_draw=position_draw)
+        super().__init__(model, batch_size=batch_size, device=device, amp=amp, shift=shift)
         rows = load_packed(path)
         k = int(eval_sequences)
         if not 1 <= k < len(rows):

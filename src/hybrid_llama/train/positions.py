@@ -20,9 +20,12 @@ position 0. ``position_draw`` says how (L the row length):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-__all__ = ["POSITION_DRAWS", "check_max_position", "row_offsets", "position_ids"]
+__all__ = ["POSITION_DRAWS", "NO_SHIFT", "RowShift", "check_max_position", "row_offsets", "position_ids"]
 
 POSITION_DRAWS = ("uniform", "cover")
 
@@ -61,3 +64,32 @@ def position_ids(offsets: list[int], seq_len: int, device: torch.device | str) -
     """``[B, seq_len]`` position ids starting at each row's offset."""
     start = torch.tensor(offsets, dtype=torch.long, device=device)[:, None]
     return start + torch.arange(seq_len, device=device)[None]
+
+
+@dataclass(frozen=True)
+class RowShift:
+    """How a stage shifts its training rows: ``max_position`` (0: not at all), the stage's ``seed`` and
+    the ``draw`` (``POSITION_DRAWS``). One value that every objective takes, rather than three."""
+
+    max_position: int = 0
+    seed: int = 0
+    draw: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.draw not in POSITION_DRAWS:
+            raise ValueError(f"position draw {self.draw!r}: expected one of {POSITION_DRAWS}")
+
+    @classmethod
+    def of(cls, settings: Any) -> RowShift:
+        """The shift a stage's settings (``TransferSettings`` or ``LoraSettings``) ask for."""
+        return cls(int(settings.max_position), int(settings.loop.seed), str(settings.position_draw))
+
+    def position_ids(self, rows: list[int], step: int, seq_len: int,
+                     device: torch.device | str) -> torch.Tensor | None:
+        """``[len(rows), seq_len]`` position ids of training rows ``rows`` at optimizer step ``step``, or
+        None where the rows stay at position 0."""
+        offsets = row_offsets(rows, step, self.seed, seq_len, self.max_position, self.draw)
+        return None if offsets is None else position_ids(offsets, seq_len, device)
+
+
+NO_SHIFT = RowShift()  # every row at position 0

@@ -29,7 +29,7 @@ from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
 from hybrid_llama.train.compute import autocast, autocast_active, pick_device, seed_everything
 from hybrid_llama.train.errors import check_finite
-from hybrid_llama.train.positions import check_max_position, position_ids, row_offsets
+from hybrid_llama.train.positions import NO_SHIFT, RowShift, check_max_position
 from hybrid_llama.train.settings import CORPUS_KEYS, TransferSettings
 from hybrid_llama.train.teacher_cache import TeacherCache, TeacherTap
 from hybrid_llama.train.teacher_states import save_teacher_states
@@ -98,9 +98,8 @@ class AttentionTransfer(Objective):
 
     Held-out MSE is measured before training (``validate(0)``, kept in ``mse_before``) and after it
     (``heldout_mse``, by run_transfer), not between epochs: loss.csv holds the training MSEs only.
-    With ``max_position`` each training row's students see the RoPE angles of a randomly shifted
-    start, drawn as ``position_draw`` says (``train.positions``); the teacher's outputs, relative in
-    position, stay the targets.
+    ``shift`` gives each training row's students the RoPE angles of a randomly shifted start
+    (``train.positions``); the teacher's outputs, relative in position, stay the targets.
     """
 
     name = "transfer"
@@ -108,11 +107,10 @@ class AttentionTransfer(Objective):
 
     def __init__(self, students: nn.ModuleDict, named: list[tuple[str, nn.Parameter]], cache: TeacherCache,
                  train_rows: torch.Tensor, eval_rows: torch.Tensor, *, batch_size: int, device: torch.device,
-                 amp: bool, max_position: int = 0, seed: int = 0, position_draw: str = "uniform") -> None:
+                 amp: bool, shift: RowShift = NO_SHIFT) -> None:
         self.students, self.named, self.cache = students, named, cache
         self.train_rows, self.eval_rows = train_rows, eval_rows
-        self.batch_size, self.device, self.amp = batch_size, device, amp
-        self.max_position, self.seed, self.position_draw = max_position, seed, position_draw
+        self.batch_size, self.device, self.amp, self.shift = batch_size, device, amp, shift
         self.mse_before: dict[int, float] = {}
 
     @property
@@ -144,10 +142,10 @@ class AttentionTransfer(Objective):
 
     def _shifted_rope(self, rows: list[int], step: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         seq_len = self.train_rows.shape[1]
-        offsets = row_offsets(rows, step, self.seed, seq_len, self.max_position, self.position_draw)
-        if offsets is None:
+        shifted = self.shift.position_ids(rows, step, seq_len, like.device)
+        if shifted is None:
             return None
-        return self.cache.tap.teacher.model.rotary_emb(like, position_ids(offsets, seq_len, like.device))
+        return self.cache.tap.teacher.model.rotary_emb(like, shifted)
 
     def log_step(self, step: int, logs: dict[str, float]) -> list[tuple]:
         return [(step, int(key.split(".", 1)[1]), v) for key, v in logs.items() if key.startswith("layer.")]
@@ -232,8 +230,7 @@ def run_transfer(
     cache_bytes = float(s.teacher_cache_gib) * 2**30 if int(s.loop.epochs) > 1 else 0.0
     cache = TeacherCache(tap, len(train_rows), cache_bytes, final_states=bool(s.teacher_states))
     objective = AttentionTransfer(students, named, cache, train_rows, eval_rows, batch_size=bs, device=device, amp=amp,
-                                  max_position=int(s.max_position), seed=int(s.loop.seed),
-                                  position_draw=s.position_draw)
+                                  shift=RowShift.of(s))
     try:
         result = fit(objective, s.loop, s.optimizer, out, callback)
         students.eval()
