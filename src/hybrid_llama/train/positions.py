@@ -41,13 +41,17 @@ def check_max_position(max_position: int, seq_len: int, model_positions: int | N
         raise ValueError(f"{key}={max_position} exceeds the model's {model_positions} positions")
 
 
+def _check_draw(draw: str) -> None:
+    if draw not in POSITION_DRAWS:
+        raise ValueError(f"position draw {draw!r}: expected one of {POSITION_DRAWS}")
+
+
 def row_offsets(rows: list[int], step: int, seed: int, seq_len: int, max_position: int,
                 draw: str = "uniform") -> list[int] | None:
     """Each training row's start position at optimizer step ``step``, or None (``max_position`` 0, or no
     room), drawn as ``draw`` says (``POSITION_DRAWS``, module docstring). A function of (seed, step,
     row) only, so a resumed run shifts every batch as before."""
-    if draw not in POSITION_DRAWS:
-        raise ValueError(f"position draw {draw!r}: expected one of {POSITION_DRAWS}")
+    _check_draw(draw)
     room = max_position - seq_len
     if max_position == 0 or room <= 0:
         return None
@@ -76,8 +80,7 @@ class RowShift:
     draw: str = "uniform"
 
     def __post_init__(self) -> None:
-        if self.draw not in POSITION_DRAWS:
-            raise ValueError(f"position draw {self.draw!r}: expected one of {POSITION_DRAWS}")
+        _check_draw(self.draw)
 
     @classmethod
     def of(cls, settings: Any) -> RowShift:
