@@ -3,7 +3,9 @@ weighted distillation loss against the KL written out, and how the workflow wire
 
 from __future__ import annotations
 
+import hashlib
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from snakemake.utils import validate
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
 from hybrid_llama.data import read_manifest
 from hybrid_llama.eval import niah, passkey
-from hybrid_llama.names import RECALL_KEYS
+from hybrid_llama.names import RECALL_KEYS, parse_recall_shape, recall_shape
 from hybrid_llama.pipeline import Pipeline
 from hybrid_llama.pipeline.long_context import trains_on_books
 from hybrid_llama.recall_rows import (
@@ -64,6 +66,55 @@ def test_a_recall_row_states_each_fact_in_the_book_and_asks_for_it_at_the_end():
         body = body.replace(fact_text(f["name"], f["attribute"], f["value"]), "")
         assert text[f["fact_at"] - 1] == "."
     assert body in _text(book)
+
+
+def test_a_row_that_asks_in_its_middle_asks_each_block_for_the_facts_set_since_the_block_before():
+    tok = byte_tokenizer()
+    book = tok(_book(600), add_special_tokens=False)["input_ids"]
+    for seed in range(6):
+        ids, answer, facts = recall_row(tok, book, 2048, 6, random.Random(seed), asks=3)
+        assert len(ids) == len(answer) == 2048
+        text = _text(ids)
+        end = text.index("\n Question", max(f["fact_at"] for f in facts))  # the end's block follows every fact
+        # the middle blocks, read off the text: where each starts and ends, and whom it asks about
+        blocks = [(m.start(), m.end()) for m in re.finditer(r"\n( Question: [^?]*\? Answer: [^.]*\.)+\n", text[:end])]
+        assert 1 <= len(blocks) <= 2
+        previous = 0
+        for a, b in blocks:
+            asked = {f["name"] for f in facts if a <= f.get("mid_answer_at", -1) < b}
+            stated = {f["name"] for f in facts if previous <= f["fact_at"] < a}
+            assert asked == stated and asked  # each block asks for exactly the facts set since the last one
+            previous = b
+        for f in facts:
+            asked = question_text(f["name"], f["attribute"])
+            for at in (f["answer_at"], f.get("mid_answer_at")):
+                if at is not None:  # the value follows its question, after the fact
+                    assert _text(ids[at - len(asked): at + len(f["value"]) + 1]) == asked + " " + f["value"]
+                    assert f["fact_at"] < at and all(answer[at: at + len(f["value"]) + 1])
+            assert f["answer_at"] > end
+        mid = [f for f in facts if "mid_answer_at" in f]
+        assert sum(answer) == sum(len(f["value"]) + 1 for f in facts + mid)
+        # without the facts and the middle blocks, the body is one run of the book
+        body = text[:end]
+        for a, b in reversed(blocks):
+            body = body[:a] + body[b:]
+        for f in facts:
+            body = body.replace(fact_text(f["name"], f["attribute"], f["value"]), "")
+        assert body in _text(book)
+    with pytest.raises(ValueError, match="asks at least once"):
+        recall_row(tok, book, 2048, 6, random.Random(0), asks=0)
+
+
+def test_rows_that_ask_once_are_the_rows_made_before_recall_asks_existed():
+    """The hash of this row from 5553aa0, before the key: a file of rows asked once keeps its
+    contents, so the stages trained on it stay valid."""
+    tok = byte_tokenizer()
+    ids, answer, facts = recall_row(tok, tok(_book(400), add_special_tokens=False)["input_ids"], 1024, 3,
+                                    random.Random(5))
+    assert hashlib.sha256(repr((ids, answer, facts)).encode()).hexdigest() == (
+        "45109f1b6935db18a9b423112217e88931ed3a2db9b040aaa5d4e711da457435")
+    assert recall_shape(8) == recall_shape(8, 1) == "8" and recall_shape(8, 2) == "8Q2"
+    assert parse_recall_shape("8") == (8, 1) and parse_recall_shape("12Q3") == (12, 3)
 
 
 def test_recall_rows_use_none_of_the_evaluations_wording():
@@ -223,6 +274,7 @@ def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them
     assert m["lora"]["answer_weight"] == 4.0
     for bad, match in (({**cfg, "recall_rows": 2}, "holds 3 rows of 1 facts"),
                        ({**cfg, "recall_seq_len": 512}, "and 512 tokens"),
+                       ({**cfg, "recall_asks": 2}, "asked in 1 places .* asked in 2"),
                        ({**cfg, "recall_rows": 0}, "lora.recall_rows is 0")):
         with pytest.raises(ValueError, match=match):
             ft.run_finetune(tiny_model_dir, corpus, bad, tmp_path / "x", hybrid=hybrid, recall_rows=recall_file)
@@ -270,6 +322,34 @@ def test_a_variant_with_recall_rows_hands_them_to_the_variants_derived_from_it()
     assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, 8) + ".json"} <= set(
         p.report_inputs()["manifests"])
     assert "recall" not in p.lora_inputs("smollm2", "seed")
+
+
+def test_a_variant_whose_rows_ask_in_their_middle_trains_on_a_file_of_its_own():
+    p = Pipeline(_config({"recall_rows": 4, "recall_facts": 8, "recall_asks": 2, "recall_seq_len": 8192,
+                          "batch_size": 1}), REPO)
+    p.check()
+    assert p.lora_inputs("smollm2", "lolcats")["recall"] == RECALL.format(8192, 4, "8Q2") + ".safetensors"
+    assert LoraSettings.from_dict(p.lora_train("lolcats")).recall_asks == 2
+    assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2") + (
+        ".safetensors")  # derived from lolcats, it inherits the key
+    # the default's rows ask once: their file, and the params of the stage trained on it, stay as they were
+    default = Pipeline(_config({}), REPO)
+    assert default.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, 8) + (
+        ".safetensors")
+    assert "recall_asks" not in default.lora_train("lolcats_sparse_distill")
+    assert LoraSettings.from_dict(default.lora_train("lolcats_sparse_distill")).recall_asks == 1
+
+
+def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_path):
+    _write_books(tmp_path / "books", ["pg1", "pg2"])
+    source = {"dir": str(tmp_path / "books"), "heldout": ["pg2"]}
+    once = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "a.safetensors", seq_len=1024, rows=3, facts=4)
+    twice = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "b.safetensors", seq_len=1024, rows=3, facts=4,
+                                asks=2)
+    assert (once["asks_per_row"], twice["asks_per_row"]) == (1, 2)
+    mid = sum("mid_answer_at" in f for r in twice["rows"] for f in r["facts"])
+    assert mid > 0 and not any("mid_answer_at" in f for r in once["rows"] for f in r["facts"])
+    assert twice["answer_tokens"] == int(load_recall_rows(tmp_path / "b.safetensors")[1].sum()) > once["answer_tokens"]
 
 
 @pytest.mark.parametrize("lora, base_lora, key, match", [

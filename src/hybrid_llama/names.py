@@ -22,6 +22,18 @@ MMLU_FORMATS = ("mc", "cloze")
 # training) rather than how training runs.
 CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")
 # The lora keys of recall rows (hybrid_llama.recall_rows); a stage without recall rows is run without them.
-RECALL_KEYS = ("recall_rows", "recall_facts", "recall_seq_len", "answer_weight", "answer_target")
+RECALL_KEYS = ("recall_rows", "recall_facts", "recall_asks", "recall_seq_len", "answer_weight", "answer_target")
 # The row files each training corpus is made of: a mixed corpus takes half its tokens from each.
 CORPUS_PARTS = {"documents": ("documents",), "books": ("books",), "mixed": ("documents", "books")}
+
+
+def recall_shape(facts: int, asks: int = 1) -> str:
+    """A recall-rows file's facts wildcard: "8" for 8 facts asked at the row's end (the files made
+    before ``lora.recall_asks`` keep their names), "8Q2" for 8 facts asked in 2 places."""
+    return str(int(facts)) if int(asks) == 1 else f"{int(facts)}Q{int(asks)}"
+
+
+def parse_recall_shape(shape: str) -> tuple[int, int]:
+    """(facts, asks) of a ``recall_shape`` name."""
+    facts, _, asks = str(shape).partition("Q")
+    return int(facts), int(asks or 1)

@@ -4,7 +4,8 @@ Prose seldom makes a model fetch an exact token from a thousand tokens back, so 
 documents or book rows trains that little, and a hybrid that matches base on prose can still lose
 the passkey. A recall row is a run of a training book with ``facts`` short statements ("Mara's
 locker number is 40713.") set at sentence starts, then one question per fact, each answered with its
-value. The distillation (``lora.recall_rows``) scores every position as usual and weights the
+value (and with ``lora.recall_asks`` > 1, also in question blocks inside the row). The
+distillation (``lora.recall_rows``) scores every position as usual and weights the
 positions that predict an answer token by ``lora.answer_weight``: there the teacher reads the
 fact back from far away.
 
@@ -49,40 +50,77 @@ def question_text(name: str, attribute: str) -> str:
 
 
 def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int,
-               rng: random.Random) -> tuple[list[int], list[bool], list[dict]]:
+               rng: random.Random, asks: int = 1) -> tuple[list[int], list[bool], list[dict]]:
     """One row of exactly ``seq_len`` tokens: a run of ``book_ids`` from a random offset with
     ``facts`` facts at random depths (snapped to sentence starts), then the questions in a random
-    order, each followed by its value and a full stop. Returns (ids, answer flags per token, the
-    facts with their value's token span)."""
+    order, each followed by its value and a full stop. With ``asks`` > 1 the row also asks in its
+    middle: a question block at depth k / asks of the haystack (k = 1 .. asks - 1) asks for the facts
+    set since the block before it, so that questions are trained at mid-row positions and at shorter
+    distances too, as a prompt of half the row's length would ask them. The end still asks for every
+    fact. Returns (ids, answer flags per token, the facts with their value's token spans: ``answer_at``
+    at the end, ``mid_answer_at`` in a middle block, where one asks)."""
+    if asks < 1:
+        raise ValueError(f"asks={asks}: a recall row asks at least once, at its end")
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     people = rng.sample(NAMES, facts)
     attrs = [rng.choice(ATTRIBUTES) for _ in people]
     values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in people)]
     pieces = [encode(fact_text(n, a, v)) for n, a, v in zip(people, attrs, values)]
     order = rng.sample(range(facts), facts)
-    tail = encode("\n")  # the questions start a paragraph of their own
-    answer_spans = {}
-    for i in order:
-        tail += encode(question_text(people[i], attrs[i]))
-        value = encode(f" {values[i]}")
-        answer_spans[i] = (len(tail), len(tail) + len(value))
-        tail += value + encode(".")
-    n_hay = seq_len - sum(map(len, pieces)) - len(tail)
+
+    def questions(asked: Sequence[int], head: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
+        """``head`` then a question on each fact of ``asked`` with its value; the values' spans in it."""
+        spans = {}
+        for i in asked:
+            head = head + encode(question_text(people[i], attrs[i]))
+            value = encode(f" {values[i]}")
+            spans[i] = (len(head), len(head) + len(value))
+            head = head + value + encode(".")
+        return head, spans
+
+    # facts in the first 90 % of the haystack: most answers lie far beyond a 64-token window
+    draw_depths = lambda: [rng.uniform(0.0, 0.9) for _ in people]  # noqa: E731
+    # middle blocks are placed by the facts' depths, so those are drawn before the haystack's start;
+    # one ask keeps the draw order of the rows made before ``asks`` existed
+    depths = draw_depths() if asks > 1 else None
+    blocks, block_depths, block_spans = [], [], []
+    for k in range(1, asks):
+        lo, hi = (k - 1) / asks, k / asks
+        asked = [i for i in order if lo <= depths[i] < hi]
+        if asked:
+            # a paragraph of its own; the book resumes on a new line after it
+            block, asked_spans = questions(asked, encode("\n"))
+            blocks.append(block + encode("\n"))
+            block_depths.append(hi)
+            block_spans.append(asked_spans)
+    tail, answer_spans = questions(order, encode("\n"))  # the questions start a paragraph of their own
+    n_hay = seq_len - sum(map(len, pieces + blocks)) - len(tail)
     if n_hay < 16 * facts:
         raise ValueError(f"{facts} facts and their questions take {seq_len - n_hay} of a {seq_len}-token row")
     if len(book_ids) < n_hay:
         raise ValueError(f"a book of {len(book_ids)} tokens is shorter than the {n_hay}-token haystack")
     start = rng.randint(0, len(book_ids) - n_hay)
-    # facts in the first 90 % of the haystack: most answers lie far beyond a 64-token window
-    depths = [rng.uniform(0.0, 0.9) for _ in people]
-    body, spans = insert_pieces(tokenizer, list(book_ids[start : start + n_hay]), pieces, depths)
+    if depths is None:
+        depths = draw_depths()
+    # facts are listed before the blocks, so a fact snapped to a block's sentence start stays before it
+    body, spans = insert_pieces(tokenizer, list(book_ids[start : start + n_hay]), pieces + blocks,
+                                depths + block_depths)
     ids = body + tail
     answer = [False] * len(ids)
-    for a, b in answer_spans.values():
-        for t in range(len(body) + a, len(body) + b):
-            answer[t] = True
+
+    def flag(offset: int, spans_in: dict[int, tuple[int, int]]) -> None:
+        for a, b in spans_in.values():
+            answer[offset + a : offset + b] = [True] * (b - a)
+
+    mid_answer_at = {}
+    for (offset, _), spans_of_block in zip(spans[facts:], block_spans):
+        flag(offset, spans_of_block)
+        mid_answer_at.update({i: offset + a for i, (a, _) in spans_of_block.items()})
+    flag(len(body), answer_spans)
     records = [{"name": people[i], "attribute": attrs[i], "value": values[i], "fact_at": spans[i][0],
                 "answer_at": len(body) + answer_spans[i][0]} for i in range(facts)]
+    for i, at in mid_answer_at.items():
+        records[i]["mid_answer_at"] = at
     assert len(ids) == seq_len
     return ids, answer, records
 
@@ -95,9 +133,10 @@ def answer_positions(answers: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, *, seq_len: int, rows: int,
-                        facts: int, seed: int = 0) -> dict:
+                        facts: int, asks: int = 1, seed: int = 0) -> dict:
     """``rows`` recall rows of ``seq_len`` tokens on the training books (``books``: ``{dir, heldout}``,
-    every book of the directory not held out), the books taken in turn; returns the manifest.
+    every book of the directory not held out), the books taken in turn, each row asking in
+    ``asks`` places (``recall_row``); returns the manifest.
     Writes ``out_path`` (safetensors ``tokens`` int32 and ``answers`` uint8, both ``[rows, seq_len]``)
     and the JSON manifest beside it, which records each row's book, facts and answer positions."""
     directory = Path(books["dir"])
@@ -110,7 +149,7 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
     tokens, answers, records = [], [], []
     for r in range(int(rows)):
         b = r % len(names)
-        row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng)
+        row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng, int(asks))
         tokens.append(row)
         answers.append(answer)
         records.append({"book": names[b], "facts": facts_of_row})
@@ -122,6 +161,7 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
         "seq_len": int(seq_len),
         "num_sequences": int(rows),
         "facts_per_row": int(facts),
+        "asks_per_row": int(asks),
         "seed": int(seed),
         "answer_tokens": int(tensors["answers"].sum()),
         "rows": records,

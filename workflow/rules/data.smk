@@ -79,7 +79,8 @@ rule mixed_rows:
 
 
 # lora.recall_rows: running text of the training books with facts set in it and asked for at the
-# row's end, for a distillation that weighs the answers (one file per seq_len x rows x facts).
+# row's end (and with lora.recall_asks, inside it: facts "8Q2"), for a distillation that weighs the
+# answers (one file per seq_len x rows x facts).
 rule recall_rows:
     input:
         weights=weights,

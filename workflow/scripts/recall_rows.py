@@ -6,15 +6,18 @@ from common import model_dir, start
 
 start(snakemake, torch_threads=False)
 
+from hybrid_llama.names import parse_recall_shape
 from hybrid_llama.recall_rows import prepare_recall_rows
 
 w = snakemake.wildcards
+facts, asks = parse_recall_shape(w.facts)
 manifest = prepare_recall_rows(
     dict(snakemake.params.books),
     str(model_dir(snakemake)),
     snakemake.output.tokens,
     seq_len=int(w.seq_len),
     rows=int(w.rows),
-    facts=int(w.facts),
+    facts=facts,
+    asks=asks,
 )
 print(json.dumps({k: v for k, v in manifest.items() if k != "rows"}, indent=1))

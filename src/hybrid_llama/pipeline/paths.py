@@ -137,7 +137,7 @@ WILDCARD_PATTERNS = {
     "seq_len": r"\d+",
     "num_tokens": r"\d+|all",
     "rows": r"\d+",
-    "facts": r"\d+",
+    "facts": r"\d+(?:Q\d+)?",  # facts per recall row, and questions per row where more than one
     "book": r"[A-Za-z0-9][A-Za-z0-9_.-]*",  # a file stem, as data.books names it
     "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
     "key": r"[0-9a-f]+",

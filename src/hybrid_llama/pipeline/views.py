@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_llama.config import ConfigError, canonical, deep_merge, without_unused_hybrid_keys
-from hybrid_llama.names import CORPUS_KEYS, MMLU_FORMATS, RECALL_KEYS, SHARED_STAGES, STAGES, VARIANT_STAGES
+from hybrid_llama.names import (
+    CORPUS_KEYS,
+    MMLU_FORMATS,
+    RECALL_KEYS,
+    SHARED_STAGES,
+    STAGES,
+    VARIANT_STAGES,
+    recall_shape,
+)
 
 from . import long_context
 from .checks import check_config
@@ -31,7 +39,7 @@ from .paths import (
 from .variants import lora_owner, resolve_variants, transfer_owner
 
 # Training keys added after runs existed, with the default that reproduces those runs.
-LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform"}
+LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform", "recall_asks": 1}
 
 __all__ = ["Pipeline"]
 
@@ -234,12 +242,14 @@ class Pipeline:
         return {k: v for k, v in lora.items() if k not in drop}
 
     def recall_wildcards(self, variant: str) -> dict[str, str] | None:
-        """``{seq_len, rows, facts}`` of the recall rows a distilled LoRA stage trains on (None: none)."""
+        """``{seq_len, rows, facts}`` of the recall rows a distilled LoRA stage trains on (None: none);
+        ``facts`` also names the questions per row where there are more than one (``recall_shape``)."""
         lora = self.lora(variant)
         if not self.lora_corpus(variant) or not lora["recall_rows"]:
             return None
         seq_len = lora["recall_seq_len"] or self.transfer(variant)["seq_len"]
-        return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]), "facts": str(lora["recall_facts"])}
+        return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]),
+                "facts": recall_shape(lora["recall_facts"], lora.get("recall_asks", 1))}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings; the later keys at

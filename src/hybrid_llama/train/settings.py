@@ -174,6 +174,7 @@ class LoraSettings(_StageSettings):
     eval_sequences: int
     recall_rows: int
     recall_facts: int
+    recall_asks: int
     recall_seq_len: int | None
     answer_weight: float
     answer_target: str
