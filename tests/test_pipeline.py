@@ -313,9 +313,10 @@ def test_formulations_of_the_schema_are_the_ops():
     assert tuple(config.load_schema()["properties"]["stages"]["items"]["enum"]) == pipeline.STAGES
     from hybrid_llama.train.positions import POSITION_DRAWS
 
-    for section in ("transfer", "lora"):
-        assert tuple(config.load_schema()["$defs"][section]["properties"]["position_draw"]["enum"]) == \
-            POSITION_DRAWS
+    defs = config.load_schema()["$defs"]
+    assert tuple(defs["position_draw"]["enum"]) == POSITION_DRAWS
+    for section in ("transfer", "lora"):  # one definition serves both stages
+        assert defs[section]["properties"]["position_draw"] == {"$ref": "#/$defs/position_draw"}
 
 
 def test_position_draw_is_a_param_where_it_leaves_its_default_only():
