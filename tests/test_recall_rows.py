@@ -299,8 +299,9 @@ RECALL = "resources/data/recall_rows/smollm2/L{}_R{}_F{}"
 def test_the_default_cache_active_distillation_trains_recall_rows_and_the_recommended_variant_keeps_them():
     p = Pipeline(_config({}), REPO)
     p.check()
-    rows = RECALL.format(8192, 4, 8)
+    rows = RECALL.format(8192, 4, "8Q2")  # 8 facts, asked in the middle and at the end
     assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == rows + ".safetensors"
+    assert LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill")).recall_asks == 2
     assert p.lora_owner("lolcats_retrieval") == "lolcats_sparse_distill"  # its adapter, trained with them
     assert LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill")).as_dict()["answer_weight"] == 20
     assert [f for f in p.report_inputs()["manifests"] if "recall_rows" in f] == [rows + ".json"]
@@ -319,25 +320,29 @@ def test_a_variant_with_recall_rows_hands_them_to_the_variants_derived_from_it()
     # a derived variant inherits lolcats' lora, its own keys over it
     assert p.lora_train("lolcats_sparse_distill")["answer_weight"] == 20
     assert LoraSettings.from_dict(p.lora_train("lolcats")).as_dict()["answer_weight"] == 2
-    assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, 8) + ".json"} <= set(
+    assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, "8Q2") + ".json"} <= set(
         p.report_inputs()["manifests"])
     assert "recall" not in p.lora_inputs("smollm2", "seed")
 
 
-def test_a_variant_whose_rows_ask_in_their_middle_trains_on_a_file_of_its_own():
-    p = Pipeline(_config({"recall_rows": 4, "recall_facts": 8, "recall_asks": 2, "recall_seq_len": 8192,
+def test_rows_asked_in_one_place_or_several_train_on_files_of_their_own():
+    p = Pipeline(_config({"recall_rows": 4, "recall_facts": 8, "recall_asks": 3, "recall_seq_len": 8192,
                           "batch_size": 1}), REPO)
     p.check()
-    assert p.lora_inputs("smollm2", "lolcats")["recall"] == RECALL.format(8192, 4, "8Q2") + ".safetensors"
-    assert LoraSettings.from_dict(p.lora_train("lolcats")).recall_asks == 2
+    assert p.lora_inputs("smollm2", "lolcats")["recall"] == RECALL.format(8192, 4, "8Q3") + ".safetensors"
+    assert LoraSettings.from_dict(p.lora_train("lolcats")).recall_asks == 3
+    # derived from lolcats, lolcats_sparse_distill keeps its own recall_asks
     assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2") + (
-        ".safetensors")  # derived from lolcats, it inherits the key
-    # the default's rows ask once: their file, and the params of the stage trained on it, stay as they were
-    default = Pipeline(_config({}), REPO)
-    assert default.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, 8) + (
         ".safetensors")
-    assert "recall_asks" not in default.lora_train("lolcats_sparse_distill")
-    assert LoraSettings.from_dict(default.lora_train("lolcats_sparse_distill")).recall_asks == 1
+    # rows asked at their end only keep the file name, and the stage's params, of before the key
+    cfg = _config({})
+    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_asks"] = 1
+    once = Pipeline(cfg, REPO)
+    once.check()
+    assert once.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, 8) + (
+        ".safetensors")
+    assert "recall_asks" not in once.lora_train("lolcats_sparse_distill")
+    assert LoraSettings.from_dict(once.lora_train("lolcats_sparse_distill")).recall_asks == 1
 
 
 def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_path):
