@@ -147,9 +147,9 @@ def test_workflow_library_and_cli_train_the_same_recipe_for_an_empty_config(tiny
 
 def test_lora_control_overrides_only_target():
     wf = make()
-    # answer_target, position_draw and recall_asks at their defaults stay out of the params
+    # the keys added later (answer_target, position_draw, recall_*) at their defaults stay out of the params
     # (LoraSettings fills them in), so no job reruns for them
-    later = ("answer_target", "position_draw", "recall_asks")
+    later = ("answer_target", "position_draw", "recall_asks", "recall_same_attribute")
     defaults = {k: v for k, v in schema_defaults("lora").items() if k not in later}
     assert schema_defaults("lora")["answer_target"] == "teacher"
     assert wf.lora("base_lora") == canonical({**defaults, "target": "all"})

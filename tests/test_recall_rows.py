@@ -16,7 +16,7 @@ from snakemake.utils import validate
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
 from hybrid_llama.data import read_manifest
 from hybrid_llama.eval import niah, passkey
-from hybrid_llama.names import RECALL_KEYS, parse_recall_shape, recall_shape
+from hybrid_llama.names import RECALL_KEYS, RecallShape
 from hybrid_llama.pipeline import Pipeline
 from hybrid_llama.pipeline.long_context import trains_on_books
 from hybrid_llama.recall_rows import (
@@ -113,8 +113,33 @@ def test_rows_that_ask_once_are_the_rows_made_before_recall_asks_existed():
                                     random.Random(5))
     assert hashlib.sha256(repr((ids, answer, facts)).encode()).hexdigest() == (
         "45109f1b6935db18a9b423112217e88931ed3a2db9b040aaa5d4e711da457435")
-    assert recall_shape(8) == recall_shape(8, 1) == "8" and recall_shape(8, 2) == "8Q2"
-    assert parse_recall_shape("8") == (8, 1) and parse_recall_shape("12Q3") == (12, 3)
+    for name, shape in (("8", RecallShape(8)), ("8Q2", RecallShape(8, 2)), ("12S", RecallShape(12, 1, True)),
+                        ("8Q3S", RecallShape(8, 3, True))):
+        assert shape.name == name and RecallShape.parse(name) == shape
+    assert RecallShape.of({"recall_facts": 8}) == RecallShape(8, 1, False)  # the later keys at their defaults
+    with pytest.raises(ValueError, match="not a recall-rows shape"):
+        RecallShape.parse("8Q")
+
+
+def test_facts_of_one_attribute_differ_by_their_names_only():
+    tok = byte_tokenizer()
+    book = tok(_book(600), add_special_tokens=False)["input_ids"]
+    shared = set()
+    for seed in range(4):
+        ids, answer, facts = recall_row(tok, book, 2048, 8, random.Random(seed), same_attribute=True)
+        assert len({f["attribute"] for f in facts}) == 1 and len({f["name"] for f in facts}) == 8
+        shared |= {f["attribute"] for f in facts}
+        text = _text(ids)
+        body = text[: text.index("\n Question")]
+        for f in facts:  # each fact stated once, asked for by its name, answered with its own value
+            assert body.count(fact_text(f["name"], f["attribute"], f["value"])) == 1
+            asked = question_text(f["name"], f["attribute"])
+            assert _text(ids[f["answer_at"] - len(asked): f["answer_at"] + len(f["value"]) + 1]) == (
+                asked + " " + f["value"])
+    assert len(shared) > 1  # the attribute is drawn per row
+    # drawn on its own, each fact's attribute (8 attributes, 8 facts: some repeat, most differ)
+    _, _, facts = recall_row(tok, book, 2048, 8, random.Random(0))
+    assert len({f["attribute"] for f in facts}) > 1
 
 
 def test_recall_rows_use_none_of_the_evaluations_wording():
@@ -274,7 +299,8 @@ def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them
     assert m["lora"]["answer_weight"] == 4.0
     for bad, match in (({**cfg, "recall_rows": 2}, "holds 3 rows of 1 facts"),
                        ({**cfg, "recall_seq_len": 512}, "and 512 tokens"),
-                       ({**cfg, "recall_asks": 2}, "asked in 1 places .* asked in 2"),
+                       ({**cfg, "recall_asks": 2}, r"shape 1\) .*shape 1Q2\)"),
+                       ({**cfg, "recall_same_attribute": True}, r"shape 1\) .*shape 1S\)"),
                        ({**cfg, "recall_rows": 0}, "lora.recall_rows is 0")):
         with pytest.raises(ValueError, match=match):
             ft.run_finetune(tiny_model_dir, corpus, bad, tmp_path / "x", hybrid=hybrid, recall_rows=recall_file)
@@ -345,13 +371,25 @@ def test_rows_asked_in_one_place_or_several_train_on_files_of_their_own():
     assert LoraSettings.from_dict(once.lora_train("lolcats_sparse_distill")).recall_asks == 1
 
 
+def test_one_attribute_a_row_is_a_file_of_its_own():
+    p = Pipeline(_config({}), REPO)
+    cfg = _config({})
+    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_same_attribute"] = True
+    same = Pipeline(cfg, REPO)
+    same.check()
+    assert same.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2S") + (
+        ".safetensors")
+    assert LoraSettings.from_dict(same.lora_train("lolcats_sparse_distill")).recall_same_attribute
+    assert "recall_same_attribute" not in p.lora_train("lolcats_sparse_distill")  # the default's params stay
+
+
 def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_path):
     _write_books(tmp_path / "books", ["pg1", "pg2"])
     source = {"dir": str(tmp_path / "books"), "heldout": ["pg2"]}
     once = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "a.safetensors", seq_len=1024, rows=3, facts=4)
     twice = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "b.safetensors", seq_len=1024, rows=3, facts=4,
                                 asks=2)
-    assert (once["asks_per_row"], twice["asks_per_row"]) == (1, 2)
+    assert (once["asks_per_row"], twice["asks_per_row"]) == (1, 2) and not once["same_attribute"]
     mid = sum("mid_answer_at" in f for r in twice["rows"] for f in r["facts"])
     assert mid > 0 and not any("mid_answer_at" in f for r in once["rows"] for f in r["facts"])
     assert twice["answer_tokens"] == int(load_recall_rows(tmp_path / "b.safetensors")[1].sum()) > once["answer_tokens"]

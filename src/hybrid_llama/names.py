@@ -6,6 +6,11 @@ stages; they import the names from here so that no library layer has to import t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 STAGES = ("base", "converted", "transfer", "transfer_lora", "base_lora")
 # Shared stages (the base model and the base + LoRA control) do not depend on a variant.
 SHARED_STAGES = ("base", "base_lora")
@@ -22,18 +27,39 @@ MMLU_FORMATS = ("mc", "cloze")
 # training) rather than how training runs.
 CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")
 # The lora keys of recall rows (hybrid_llama.recall_rows); a stage without recall rows is run without them.
-RECALL_KEYS = ("recall_rows", "recall_facts", "recall_asks", "recall_seq_len", "answer_weight", "answer_target")
+RECALL_KEYS = ("recall_rows", "recall_facts", "recall_asks", "recall_same_attribute",
+               "recall_seq_len", "answer_weight", "answer_target")
 # The row files each training corpus is made of: a mixed corpus takes half its tokens from each.
 CORPUS_PARTS = {"documents": ("documents",), "books": ("books",), "mixed": ("documents", "books")}
+# A recall-rows file's facts wildcard (RecallShape.name): facts, Q and the places asked, S for one attribute.
+RECALL_SHAPE_PATTERN = r"\d+(?:Q\d+)?S?"
 
 
-def recall_shape(facts: int, asks: int = 1) -> str:
-    """A recall-rows file's facts wildcard: "8" for 8 facts asked at the row's end (the files made
-    before ``lora.recall_asks`` keep their names), "8Q2" for 8 facts asked in 2 places."""
-    return str(int(facts)) if int(asks) == 1 else f"{int(facts)}Q{int(asks)}"
+@dataclass(frozen=True)
+class RecallShape:
+    """What each recall row holds (hybrid_llama.recall_rows): ``facts`` facts, asked for in ``asks``
+    places, all stating one attribute (``same_attribute``) or each its own. ``name`` is the
+    file's facts wildcard: "8" for 8 facts of their own attributes asked at the end (so the files
+    made before the other two keys keep their names), "8Q2" asked in 2 places, "8S" or "8Q2S" with
+    one attribute shared."""
 
+    facts: int
+    asks: int = 1
+    same_attribute: bool = False
 
-def parse_recall_shape(shape: str) -> tuple[int, int]:
-    """(facts, asks) of a ``recall_shape`` name."""
-    facts, _, asks = str(shape).partition("Q")
-    return int(facts), int(asks or 1)
+    @property
+    def name(self) -> str:
+        return f"{self.facts}{f'Q{self.asks}' if self.asks != 1 else ''}{'S' if self.same_attribute else ''}"
+
+    @classmethod
+    def parse(cls, name: str) -> RecallShape:
+        m = re.fullmatch(r"(\d+)(?:Q(\d+))?(S)?", str(name))
+        if m is None:
+            raise ValueError(f"{name!r} is not a recall-rows shape (facts, then Q<asks>, then S)")
+        return cls(int(m.group(1)), int(m.group(2) or 1), bool(m.group(3)))
+
+    @classmethod
+    def of(cls, lora: Mapping[str, Any]) -> RecallShape:
+        """The shape a ``lora`` section asks for (the later keys may be absent: their defaults)."""
+        return cls(int(lora["recall_facts"]), int(lora.get("recall_asks", 1)),
+                   bool(lora.get("recall_same_attribute", False)))

@@ -50,20 +50,23 @@ def question_text(name: str, attribute: str) -> str:
 
 
 def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int,
-               rng: random.Random, asks: int = 1) -> tuple[list[int], list[bool], list[dict]]:
+               rng: random.Random, asks: int = 1,
+               same_attribute: bool = False) -> tuple[list[int], list[bool], list[dict]]:
     """One row of exactly ``seq_len`` tokens: a run of ``book_ids`` from a random offset with
     ``facts`` facts at random depths (snapped to sentence starts), then the questions in a random
     order, each followed by its value and a full stop. With ``asks`` > 1 the row also asks in its
     middle: a question block at depth k / asks of the haystack (k = 1 .. asks - 1) asks for the facts
     set since the block before it, so that questions are trained at mid-row positions and at shorter
     distances too, as a prompt of half the row's length would ask them. The end still asks for every
-    fact. Returns (ids, answer flags per token, the facts with their value's token spans: ``answer_at``
-    at the end, ``mid_answer_at`` in a middle block, where one asks)."""
+    fact. With ``same_attribute`` every fact states one attribute ("Mara's room number", "Hugo's
+    room number"), so only the names tell the facts apart, as only the keys tell the multi-key
+    needles apart. Returns (ids, answer flags per token, the facts with their value's token spans:
+    ``answer_at`` at the end, ``mid_answer_at`` in a middle block, where one asks)."""
     if asks < 1:
         raise ValueError(f"asks={asks}: a recall row asks at least once, at its end")
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     people = rng.sample(NAMES, facts)
-    attrs = [rng.choice(ATTRIBUTES) for _ in people]
+    attrs = [rng.choice(ATTRIBUTES)] * facts if same_attribute else [rng.choice(ATTRIBUTES) for _ in people]
     values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in people)]
     pieces = [encode(fact_text(n, a, v)) for n, a, v in zip(people, attrs, values)]
     order = rng.sample(range(facts), facts)
@@ -133,10 +136,11 @@ def answer_positions(answers: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, *, seq_len: int, rows: int,
-                        facts: int, asks: int = 1, seed: int = 0) -> dict:
+                        facts: int, asks: int = 1, same_attribute: bool = False, seed: int = 0) -> dict:
     """``rows`` recall rows of ``seq_len`` tokens on the training books (``books``: ``{dir, heldout}``,
     every book of the directory not held out), the books taken in turn, each row asking in
-    ``asks`` places (``recall_row``); returns the manifest.
+    ``asks`` places, its facts of one attribute or each of its own (``recall_row``); returns the
+    manifest.
     Writes ``out_path`` (safetensors ``tokens`` int32 and ``answers`` uint8, both ``[rows, seq_len]``)
     and the JSON manifest beside it, which records each row's book, facts and answer positions."""
     directory = Path(books["dir"])
@@ -149,7 +153,8 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
     tokens, answers, records = [], [], []
     for r in range(int(rows)):
         b = r % len(names)
-        row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng, int(asks))
+        row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng, int(asks),
+                                               bool(same_attribute))
         tokens.append(row)
         answers.append(answer)
         records.append({"book": names[b], "facts": facts_of_row})
@@ -162,6 +167,7 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
         "num_sequences": int(rows),
         "facts_per_row": int(facts),
         "asks_per_row": int(asks),
+        "same_attribute": bool(same_attribute),
         "seed": int(seed),
         "answer_tokens": int(tensors["answers"].sum()),
         "rows": records,

@@ -6,18 +6,19 @@ from common import model_dir, start
 
 start(snakemake, torch_threads=False)
 
-from hybrid_llama.names import parse_recall_shape
+from hybrid_llama.names import RecallShape
 from hybrid_llama.recall_rows import prepare_recall_rows
 
 w = snakemake.wildcards
-facts, asks = parse_recall_shape(w.facts)
+shape = RecallShape.parse(w.facts)
 manifest = prepare_recall_rows(
     dict(snakemake.params.books),
     str(model_dir(snakemake)),
     snakemake.output.tokens,
     seq_len=int(w.seq_len),
     rows=int(w.rows),
-    facts=facts,
-    asks=asks,
+    facts=shape.facts,
+    asks=shape.asks,
+    same_attribute=shape.same_attribute,
 )
 print(json.dumps({k: v for k, v in manifest.items() if k != "rows"}, indent=1))

@@ -15,7 +15,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hybrid_llama.names import CORPUS_PARTS, MMLU_FORMATS, SHARED_STAGES, STAGE_LABELS, STAGES, VARIANT_STAGES
+from hybrid_llama.names import (
+    CORPUS_PARTS,
+    MMLU_FORMATS,
+    RECALL_SHAPE_PATTERN,
+    SHARED_STAGES,
+    STAGE_LABELS,
+    STAGES,
+    VARIANT_STAGES,
+)
 
 __all__ = [
     "MMLU_FORMATS",
@@ -137,7 +145,7 @@ WILDCARD_PATTERNS = {
     "seq_len": r"\d+",
     "num_tokens": r"\d+|all",
     "rows": r"\d+",
-    "facts": r"\d+(?:Q\d+)?",  # facts per recall row, and questions per row where more than one
+    "facts": RECALL_SHAPE_PATTERN,  # RecallShape.name
     "book": r"[A-Za-z0-9][A-Za-z0-9_.-]*",  # a file stem, as data.books names it
     "job": r"[A-Za-z0-9_./:-]+",  # a log's rule/wildcards path
     "key": r"[0-9a-f]+",

@@ -21,7 +21,7 @@ from hybrid_llama.names import (
     SHARED_STAGES,
     STAGES,
     VARIANT_STAGES,
-    recall_shape,
+    RecallShape,
 )
 
 from . import long_context
@@ -39,7 +39,8 @@ from .paths import (
 from .variants import lora_owner, resolve_variants, transfer_owner
 
 # Training keys added after runs existed, with the default that reproduces those runs.
-LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform", "recall_asks": 1}
+LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform", "recall_asks": 1,
+              "recall_same_attribute": False}
 
 __all__ = ["Pipeline"]
 
@@ -243,13 +244,13 @@ class Pipeline:
 
     def recall_wildcards(self, variant: str) -> dict[str, str] | None:
         """``{seq_len, rows, facts}`` of the recall rows a distilled LoRA stage trains on (None: none);
-        ``facts`` also names the questions per row where there are more than one (``recall_shape``)."""
+        ``facts`` is the rows' ``RecallShape`` name."""
         lora = self.lora(variant)
         if not self.lora_corpus(variant) or not lora["recall_rows"]:
             return None
         seq_len = lora["recall_seq_len"] or self.transfer(variant)["seq_len"]
         return {"seq_len": str(seq_len), "rows": str(lora["recall_rows"]),
-                "facts": recall_shape(lora["recall_facts"], lora.get("recall_asks", 1))}
+                "facts": RecallShape.of(lora).name}
 
     def lora(self, variant: str) -> dict:
         """LoRA settings of a variant; 'base_lora' gives the control's settings; the later keys at

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hybrid_llama.files import atomic_write
+from hybrid_llama.names import RecallShape
 from hybrid_llama.runtime import resolve_dtype
 from hybrid_llama.stages import as_hybrid_config, load_base
 from hybrid_llama.train.cli import add_hybrid_arguments, hybrid_from_arguments
@@ -196,8 +197,8 @@ def run_finetune(
 
 
 def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
-    """The recall-rows file must be the one lora.recall_rows / recall_facts / recall_asks / recall_seq_len
-    describe."""
+    """The recall-rows file must be the one lora.recall_rows, its shape (recall_facts, recall_asks,
+    recall_same_attribute) and recall_seq_len describe."""
     if s.recall_rows == 0:
         if path is not None:
             raise ValueError("recall rows given but lora.recall_rows is 0")
@@ -209,12 +210,13 @@ def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
     from hybrid_llama.data import read_manifest
 
     m = read_manifest(path)
-    # a manifest written before recall_asks existed asked at the row's end only
-    got = (m.get("num_sequences"), m.get("facts_per_row"), m.get("asks_per_row", 1))
-    if got != (s.recall_rows, s.recall_facts, s.recall_asks) or (s.recall_seq_len not in (None, m.get("seq_len"))):
-        raise ValueError(f"{path} holds {got[0]} rows of {got[1]} facts asked in {got[2]} places and "
-                         f"{m.get('seq_len')} tokens; lora asks for {s.recall_rows} of {s.recall_facts} facts asked "
-                         f"in {s.recall_asks} and {s.recall_seq_len or 'any'} tokens")
+    # a manifest written before recall_asks and recall_same_attribute existed: asked at the end, attributes drawn
+    got = RecallShape(m.get("facts_per_row"), m.get("asks_per_row", 1), m.get("same_attribute", False))
+    want = RecallShape(s.recall_facts, s.recall_asks, s.recall_same_attribute)
+    if (m.get("num_sequences"), got) != (s.recall_rows, want) or s.recall_seq_len not in (None, m.get("seq_len")):
+        raise ValueError(f"{path} holds {m.get('num_sequences')} rows of {got.facts} facts (shape {got.name}) and "
+                         f"{m.get('seq_len')} tokens; lora asks for {s.recall_rows} of {want.facts} facts (shape "
+                         f"{want.name}) and {s.recall_seq_len or 'any'} tokens")
 
 
 def main(argv: list[str] | None = None) -> None:
