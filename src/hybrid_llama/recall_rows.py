@@ -4,8 +4,9 @@ Prose seldom makes a model fetch an exact token from a thousand tokens back, so 
 documents or book rows trains that little, and a hybrid that matches base on prose can still lose
 the passkey. A recall row is a run of a training book with ``facts`` short statements ("Mara's
 locker number is 40713.") set at sentence starts, then one question per fact, each answered with its
-value (and with ``lora.recall_asks`` > 1, also in question blocks inside the row). The
-distillation (``lora.recall_rows``) scores every position as usual and weights the
+value (with ``lora.recall_asks`` > 1, also in question blocks inside the row; with
+``lora.recall_same_attribute``, every fact of a row states one attribute). The distillation
+(``lora.recall_rows``) scores every position as usual and weights the
 positions that predict an answer token by ``lora.answer_weight``: there the teacher reads the
 fact back from far away.
 
