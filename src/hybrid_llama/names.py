@@ -60,6 +60,6 @@ class RecallShape:
 
     @classmethod
     def of(cls, lora: Mapping[str, Any]) -> RecallShape:
-        """The shape a ``lora`` section asks for (the later keys may be absent: their defaults)."""
-        return cls(int(lora["recall_facts"]), int(lora.get("recall_asks", 1)),
-                   bool(lora.get("recall_same_attribute", False)))
+        """The shape a ``lora`` section asks for (the later keys may be absent: the fields' defaults)."""
+        return cls(int(lora["recall_facts"]), int(lora.get("recall_asks", cls.asks)),
+                   bool(lora.get("recall_same_attribute", cls.same_attribute)))

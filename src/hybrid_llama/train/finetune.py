@@ -211,7 +211,8 @@ def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
 
     m = read_manifest(path)
     # a manifest written before recall_asks and recall_same_attribute existed: asked at the end, attributes drawn
-    got = RecallShape(m.get("facts_per_row"), m.get("asks_per_row", 1), m.get("same_attribute", False))
+    got = RecallShape(m.get("facts_per_row"), m.get("asks_per_row", RecallShape.asks),
+                      m.get("same_attribute", RecallShape.same_attribute))
     want = RecallShape(s.recall_facts, s.recall_asks, s.recall_same_attribute)
     if (m.get("num_sequences"), got) != (s.recall_rows, want) or s.recall_seq_len not in (None, m.get("seq_len")):
         raise ValueError(f"{path} holds {m.get('num_sequences')} rows of {got.facts} facts (shape {got.name}) and "
