@@ -145,10 +145,12 @@ def test_niah_prompt_holds_every_needle_once(byte_tok, haystack):
         assert t["prompt"][-len(question):] == question
         text = byte_tok.decode(t["prompt"], skip_special_tokens=True)
         assert text.count("special magic number for") == 5 + 2  # five needles, the question names it twice
-        # the distance runs from the queried needle's end to the end of the prompt
-        piece = byte_tok(N.needle_text(t["key"], t["value"]), add_special_tokens=False)["input_ids"]
-        end = next(i + len(piece) for i in range(900) if t["prompt"][i : i + len(piece)] == piece)
-        assert t["needle_distance"] == 900 - end
+        # each distance runs from that needle's end to the end of the prompt; needle_distance is the queried one's
+        for (key, value), distance in zip(t["needles"], t["distances"], strict=True):
+            piece = byte_tok(N.needle_text(key, value), add_special_tokens=False)["input_ids"]
+            end = next(i + len(piece) for i in range(900) if t["prompt"][i : i + len(piece)] == piece)
+            assert distance == 900 - end, key
+        assert t["needle_distance"] == t["distances"][t["query"]]
     assert len({tuple(t["prompt"]) for t in trials}) == 4  # each trial its own keys and haystack
     if haystack == "book":
         text = byte_tok.decode(trials[0]["prompt"], skip_special_tokens=True)
@@ -174,11 +176,12 @@ class _Answering(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.config = type("C", (), {"max_position_embeddings": 4096})()
-        self.tokenizer, self.pick, self.prompts = tokenizer, pick, []
+        self.tokenizer, self.pick, self.prompts, self.prompt_ids = tokenizer, pick, [], []
 
     def generate(self, input_ids, max_new_tokens, **_):
         prompt = self.tokenizer.decode(input_ids[0].tolist(), skip_special_tokens=True)
         self.prompts.append(prompt)
+        self.prompt_ids.append(input_ids[0].tolist())
         key = re.findall(r"What is the special magic number for (\w+)\?", prompt)[0]
         pairs = dict(re.findall(r"The special magic number for (\w+) is (\d+)\.", prompt))
         answer = self.tokenizer(" " + pairs[self.pick(key, pairs)] + ".", add_special_tokens=False)["input_ids"]
@@ -190,11 +193,22 @@ def test_niah_accuracy_counts_right_and_wrong_answers(byte_tok):
                             trials=3, n_keys=3, stage="s")
     assert [(r["context_len"], r["trial"]) for r in right] == [(L, i) for L in (400, 600) for i in range(3)]
     assert all(r["accuracy"] == 1.0 and r["answered_key"] == r["key"] for r in right)
-    wrong = N.niah_accuracy(_Answering(byte_tok, lambda key, pairs: next(k for k in pairs if k != key)), byte_tok,
-                            context_lens=[400], trials=3, n_keys=3, stage="s")
+    assert all(r["answered_distance"] == r["needle_distance"] for r in right)
+    # wrong: the needle nearest the question other than the one asked
+    model = _Answering(byte_tok, lambda key, pairs: [k for k in pairs if k != key][-1])
+    wrong = N.niah_accuracy(model, byte_tok, context_lens=[400], trials=3, n_keys=3, stage="s")
     assert all(r["accuracy"] == 0.0 and r["answered_key"] not in ("", r["key"]) for r in wrong)
+    for r, ids, prompt in zip(wrong, model.prompt_ids, model.prompts, strict=True):
+        # the answered needle's distance, found in the prompt the model was given
+        value = dict(re.findall(r"The special magic number for (\w+) is (\d+)\.", prompt))[r["answered_key"]]
+        piece = byte_tok(N.needle_text(r["answered_key"], value), add_special_tokens=False)["input_ids"]
+        end = next(i + len(piece) for i in range(len(ids)) if ids[i : i + len(piece)] == piece)
+        assert r["answered_distance"] == len(ids) - end
     summary = T.niah_summary(right + wrong, 400)
     assert (summary["found"], summary["trials"]) == (3, 6)
+    nearer = sum(r["answered_distance"] < r["needle_distance"] for r in wrong)
+    assert T.niah_misses(right + wrong, 400) == {"misses": 3, "other_needle": 3, "nearer": nearer}
+    assert T.niah_misses(right, 400) is None  # nothing missed
     with pytest.raises(ValueError, match="book_texts"):
         N.niah_accuracy(_Answering(byte_tok, lambda k, p: k), byte_tok, context_lens=[400], haystacks=["book"],
                         stage="s")
@@ -212,13 +226,20 @@ def test_niah_prompt_at_the_models_positions_leaves_room_for_the_answer(byte_tok
 
 
 def test_niah_csv_round_trip(tmp_path):
-    rows = [{"stage": "base", "haystack": "book", "context_len": 4096, "trial": 0, "n_keys": 4, "depth": 0.125,
-             "key": "apple", "value": "1234567", "needle_distance": 3000, "answer": "1234567.",
-             "answered_key": "apple", "accuracy": 1.0, "n": 1}]
+    row = {"stage": "base", "haystack": "book", "context_len": 4096, "trial": 0, "n_keys": 4, "depth": 0.125,
+           "key": "apple", "value": "1234567", "needle_distance": 3000, "answer": "1234567.",
+           "answered_key": "apple", "answered_distance": 3000, "accuracy": 1.0, "n": 1}
+    rows = [row, {**row, "trial": 1, "answer": "7654321.", "answered_key": "tiger", "answered_distance": 900,
+                  "accuracy": 0.0},
+            {**row, "trial": 2, "answer": "I do not", "answered_key": "", "answered_distance": None, "accuracy": 0.0}]
     path = T.QUALITY_WRITERS["niah"](rows, tmp_path / "niah.csv")
     assert T.QUALITY_READERS["niah"](path) == rows
     assert T.niah_summary(rows, 4096, haystack="filler") is None
-    assert T.niah_summary(rows, 4096, haystack="book", beyond=128)["accuracy"] == 1.0
+    assert T.niah_summary(rows, 4096, haystack="book", beyond=128)["found"] == 1
+    assert T.niah_misses(rows, 4096, haystack="book") == {"misses": 2, "other_needle": 1, "nearer": 1}
+    # a file written before answered_distance was recorded: the misses are not told apart
+    old = [{k: v for k, v in r.items() if k != "answered_distance"} for r in rows]
+    assert T.niah_misses(old, 4096) is None
 
 
 # ----------------------------------------------------------------------------- which slots run long lengths

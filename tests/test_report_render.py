@@ -194,12 +194,14 @@ def make_results(root: Path) -> dict:
                  ["stage", "context_len", "nll", "ppl", "n_tokens", "window_nlls"], rows)
         quality.append(f)
         book_tables[variant] = f
-    niah = [[stage, hay, L, t, 3, (t + 0.5) / 4, "apple", "1234567", L - 10 * (t + 1) * (L // 256), "", "",
-             float(t < hits), 1]
-            for (slot, stage), cells in NIAH.items() for (hay, L), hits in cells.items() for t in range(4)]
+    # the last trial, where missed, answered another needle's value, one nearer the question
+    niah = [[stage, hay, L, t, 3, (t + 0.5) / 4, "apple", "1234567", distance, "", *answered, float(t < hits), 1]
+            for (slot, stage), cells in NIAH.items() for (hay, L), hits in cells.items() for t in range(4)
+            for distance in [L - 10 * (t + 1) * (L // 256)]
+            for answered in [("tiger", distance // 2) if t == 3 and t >= hits else ("", "")]]
     quality.append(_csv(root / path("quality", model=M, variant="lc16", device=D, kind="niah"),
                         ["stage", "haystack", "context_len", "trial", "n_keys", "depth", "key", "value",
-                         "needle_distance", "answer", "answered_key", "accuracy", "n"], niah))
+                         "needle_distance", "answer", "answered_key", "answered_distance", "accuracy", "n"], niah))
 
     windows = {"w16": 16, "lc16": 16, "win16": 16}
     plot_files += quality_plots.plot_nll({v: read_perplexity_csv(f) for v, f in tables["perplexity"].items()},
@@ -503,6 +505,9 @@ def test_books_and_needle_sections_render_the_fixture_tables(report):
         assert cell.startswith(f"{hits / 4:.0%} ({hits}/4, {lo:.0%}–{hi:.0%})"), (label, cell)
         # the fixture's distances put every needle at 1024 beyond the window: counted apart, the same trials
         assert "; beyond the window: " in cell
+        misses = 4 - hits
+        assert cell.endswith(f"; of {misses} misses, 1 gave another needle's value (1 of a needle nearer the "
+                             "question)" if misses else f"{hi:.0%})"), (label, cell)
     assert cells["book", 256][header.index("base") - 2] == ""  # base ran one cell only
 
 

@@ -3,7 +3,9 @@
 Each trial hides ``n_keys`` needles "The special magic number for KEY is VALUE." in a haystack and
 asks for the value of one of them; the model answers by greedy generation with its cache, and the
 trial counts as found only when the queried value appears as a whole number in the answer. A model
-that answers another needle's value scores 0 (``answered_key`` records whose value it gave). The
+that answers another needle's value scores 0 (``answered_key`` records whose value it gave, and
+``answered_distance`` how far back that needle lay: a model that reads *a* needle back without
+matching its key answers the ones nearer the question). The
 keys are distinct words, the values distinct 7-digit numbers; the queried needle's depth is spread
 over the trials of a length, the others are placed at seeded random depths.
 
@@ -94,12 +96,13 @@ def insert_pieces(tokenizer, haystack: Sequence[int], pieces: Sequence[Sequence[
 
 
 def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str, str]], depths: Sequence[float],
-                     query: int, haystack: Sequence[int], snap: bool = True) -> tuple[list[int], tuple[int, int]]:
+                     query: int, haystack: Sequence[int],
+                     snap: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
     """A prompt of exactly ``context_len`` tokens: [BOS] intro, the haystack with needle i inserted
     at ``depths[i]`` of it (a share of the haystack before it; with ``snap``, moved to the next
-    sentence start), then the question about ``needles[query]``. Returns (ids, (start, end)) with
-    ids[start:end] the queried needle's tokens. Raises ValueError when the fixed parts do not fit;
-    ``haystack`` must hold at least the rest."""
+    sentence start), then the question about ``needles[query]``. Returns (ids, spans) with
+    ids[start:end] the tokens of needle i for ``spans[i] = (start, end)``. Raises ValueError when
+    the fixed parts do not fit; ``haystack`` must hold at least the rest."""
     head = _special_prefix(tokenizer) + _encode(tokenizer, NIAH_INTRO)
     pieces = [_encode(tokenizer, needle_text(k, v)) for k, v in needles]
     question = _encode(tokenizer, question_text(needles[query][0]))
@@ -112,9 +115,8 @@ def make_niah_prompt(tokenizer, *, context_len: int, needles: Sequence[tuple[str
         raise ValueError(f"haystack has {len(haystack)} tokens, the prompt needs {n_hay}")
     ids, spans = insert_pieces(tokenizer, hay, pieces, depths, snap=snap)
     ids = head + ids + question
-    span = (len(head) + spans[query][0], len(head) + spans[query][1])
     assert len(ids) == context_len
-    return ids, span
+    return ids, [(len(head) + start, len(head) + end) for start, end in spans]
 
 
 def niah_trials(tokenizer, *, context_len: int, trials: int, n_keys: int, haystack: str, seed: int = 0,
@@ -122,8 +124,9 @@ def niah_trials(tokenizer, *, context_len: int, trials: int, n_keys: int, haysta
     """The trials of one length and haystack: each its own keys, values, depths and haystack.
 
     A trial: ``prompt`` (ids), ``needles`` [(key, value)], ``query`` (the index asked about),
-    ``key``/``value`` (the queried needle), ``depth`` (its depth, spread over the trials) and
-    ``needle_distance`` (tokens from the end of the queried needle to the end of the prompt)."""
+    ``key``/``value`` (the queried needle), ``depth`` (its depth, spread over the trials),
+    ``distances`` (tokens from the end of each needle to the end of the prompt) and
+    ``needle_distance`` (the queried needle's)."""
     if n_keys > len(KEY_WORDS):
         raise ValueError(f"n_keys {n_keys}: only {len(KEY_WORDS)} key words")
     out = []
@@ -134,11 +137,12 @@ def niah_trials(tokenizer, *, context_len: int, trials: int, n_keys: int, haysta
         query = rng.randrange(n_keys)
         depths = [depth if i == query else rng.random() for i in range(n_keys)]
         hay = haystack_ids(tokenizer, haystack, context_len, seed * 1000 + trial, book_ids)
-        ids, (_start, end) = make_niah_prompt(tokenizer, context_len=context_len, needles=list(zip(keys, values)),
-                                              depths=depths, query=query, haystack=hay)
+        ids, spans = make_niah_prompt(tokenizer, context_len=context_len, needles=list(zip(keys, values)),
+                                      depths=depths, query=query, haystack=hay)
+        distances = [context_len - end for _start, end in spans]
         out.append({"trial": trial, "prompt": ids, "needles": list(zip(keys, values)), "query": query,
-                    "key": keys[query], "value": values[query], "depth": depth,
-                    "needle_distance": context_len - end})
+                    "key": keys[query], "value": values[query], "depth": depth, "distances": distances,
+                    "needle_distance": distances[query]})
     return out
 
 
@@ -205,8 +209,11 @@ def niah_accuracy(
                 for t in cell:
                     answer = generate_answer(model, tokenizer, t["prompt"], new_tokens, dev)
                     found, answered = score_answer(answer, t)
+                    keys = [k for k, _ in t["needles"]]
+                    answered_distance = t["distances"][keys.index(answered)] if answered else None
                     rows.append({"stage": stage, "haystack": hay, "context_len": L, "trial": t["trial"],
                                  "n_keys": n_keys, "depth": round(t["depth"], 6), "key": t["key"], "value": t["value"],
                                  "needle_distance": t["needle_distance"], "answer": answer.strip()[:40],
-                                 "answered_key": answered, "accuracy": float(found), "n": 1})
+                                 "answered_key": answered, "answered_distance": answered_distance,
+                                 "accuracy": float(found), "n": 1})
     return rows

@@ -29,7 +29,7 @@ BEYOND_WINDOW = 128  # needles further than this before the question are outside
 COMPONENT_COLUMNS = ("stage", "layer", "context_len", "window_share", "linear_share", "n_queries", "cache_share")
 # Multi-key needle in a haystack (eval/niah.py): one row per trial, scored by generation.
 NIAH_COLUMNS = ("stage", "haystack", "context_len", "trial", "n_keys", "depth", "key", "value", "needle_distance",
-                "answer", "answered_key", "accuracy", "n")
+                "answer", "answered_key", "answered_distance", "accuracy", "n")
 
 
 # --------------------------------------------------------------------------- CSV
@@ -83,6 +83,10 @@ def _float_or_none(text: str) -> float | None:
     return float(text) if text not in ("", None) else None
 
 
+def _int_or_none(text: str) -> int | None:
+    return int(text) if text not in ("", None) else None
+
+
 def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval of a binomial proportion (95 % for z = 1.96); (0, 1) when n = 0."""
     if n == 0:
@@ -125,7 +129,7 @@ def write_niah_csv(rows: Iterable[dict], path: str | Path) -> Path:
 
 def read_niah_csv(path: str | Path) -> list[dict]:
     return read_rows(path, {"context_len": int, "trial": int, "n_keys": int, "depth": float,
-                            "needle_distance": int, "accuracy": float, "n": int})
+                            "needle_distance": int, "answered_distance": _int_or_none, "accuracy": float, "n": int})
 
 
 def niah_summary(rows: list[dict], context_len: int, *, haystack: str | None = None,
@@ -134,6 +138,19 @@ def niah_summary(rows: list[dict], context_len: int, *, haystack: str | None = N
     when given, else all); None without trials."""
     cells = [r for r in rows if haystack is None or r.get("haystack") == haystack]
     return passkey_summary(cells, context_len, beyond=beyond)
+
+
+def niah_misses(rows: list[dict], context_len: int, *, haystack: str | None = None) -> dict | None:
+    """What the missed multi-key needle trials at ``context_len`` answered: {misses, other_needle (the
+    value of another needle), nearer (of those, a needle nearer the question than the one asked)};
+    None without misses, or for files written before ``answered_distance`` was recorded."""
+    cells = [r for r in rows if int(r["context_len"]) == context_len and float(r["accuracy"]) < 1
+             and (haystack is None or r.get("haystack") == haystack)]
+    if not cells or any("answered_distance" not in r for r in cells):
+        return None
+    other = [r for r in cells if r["answered_key"] and r["answered_distance"] is not None]
+    nearer = [r for r in other if int(r["answered_distance"]) < int(r["needle_distance"])]
+    return {"misses": len(cells), "other_needle": len(other), "nearer": len(nearer)}
 
 
 # the quality tables by kind (the workflow's {kind} wildcard); "books" is NLL vs context on the

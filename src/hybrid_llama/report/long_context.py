@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from hybrid_llama.eval.tables import BEYOND_WINDOW, niah_summary
+from hybrid_llama.eval.tables import BEYOND_WINDOW, niah_misses, niah_summary
 from hybrid_llama.pipeline import Pipeline
 from hybrid_llama.report.formatting import plus_minus
 from hybrid_llama.report.headline import anchor
@@ -44,6 +44,15 @@ def _beside_base(mine: dict | None, base: dict | None) -> str:
     return _accuracy(mine) + ("" if mine is None or base is None else f"; base {_accuracy(base)}")
 
 
+def _misses(m: dict | None) -> str:
+    """Whose value the missed needle trials gave: a model that reads a needle back without matching
+    its key answers with another needle's value, mostly one nearer the question."""
+    if m is None:
+        return ""
+    return (f"; of {m['misses']} misses, {m['other_needle']} gave another needle's value"
+            f" ({m['nearer']} of a needle nearer the question)")
+
+
 def book_tables(res: Results, model: str, device: str) -> dict:
     """NLL on the held-out books per context length and stage, with the paired difference to base."""
     ppl, table = nll_table(res, "books", model, device)
@@ -60,7 +69,8 @@ def niah_tables(res: Results, model: str, device: str) -> dict:
         cells = []
         for _, _, rows in stages:
             p, far = niah_summary(rows, L, haystack=hay), niah_summary(rows, L, haystack=hay, beyond=BEYOND_WINDOW)
-            cells.append(_accuracy(p) + ("" if far is None else f"; beyond the window: {_accuracy(far)}"))
+            cells.append(_accuracy(p) + ("" if far is None else f"; beyond the window: {_accuracy(far)}")
+                         + _misses(niah_misses(rows, L, haystack=hay)))
         table.append({"haystack": hay, "context_len": L, "cells": cells})
     n_keys = sorted({int(r["n_keys"]) for _, _, rows in stages for r in rows})
     return {"columns": [stage_label(v, s) for v, s, _ in stages], "rows": table,
