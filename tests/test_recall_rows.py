@@ -325,9 +325,10 @@ RECALL = "resources/data/recall_rows/smollm2/L{}_R{}_F{}"
 def test_the_default_cache_active_distillation_trains_recall_rows_and_the_recommended_variant_keeps_them():
     p = Pipeline(_config({}), REPO)
     p.check()
-    rows = RECALL.format(8192, 4, "8Q2")  # 8 facts, asked in the middle and at the end
+    rows = RECALL.format(8192, 4, "8Q2S")  # 8 facts on one attribute, asked in the middle and at the end
     assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == rows + ".safetensors"
-    assert LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill")).recall_asks == 2
+    settings = LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill"))
+    assert settings.recall_asks == 2 and settings.recall_same_attribute
     assert p.lora_owner("lolcats_retrieval") == "lolcats_sparse_distill"  # its adapter, trained with them
     assert LoraSettings.from_dict(p.lora_train("lolcats_sparse_distill")).as_dict()["answer_weight"] == 20
     assert [f for f in p.report_inputs()["manifests"] if "recall_rows" in f] == [rows + ".json"]
@@ -346,7 +347,7 @@ def test_a_variant_with_recall_rows_hands_them_to_the_variants_derived_from_it()
     # a derived variant inherits lolcats' lora, its own keys over it
     assert p.lora_train("lolcats_sparse_distill")["answer_weight"] == 20
     assert LoraSettings.from_dict(p.lora_train("lolcats")).as_dict()["answer_weight"] == 2
-    assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, "8Q2") + ".json"} <= set(
+    assert {RECALL.format(4096, 8, 6) + ".json", RECALL.format(8192, 4, "8Q2S") + ".json"} <= set(
         p.report_inputs()["manifests"])
     assert "recall" not in p.lora_inputs("smollm2", "seed")
 
@@ -358,29 +359,36 @@ def test_rows_asked_in_one_place_or_several_train_on_files_of_their_own():
     assert p.lora_inputs("smollm2", "lolcats")["recall"] == RECALL.format(8192, 4, "8Q3") + ".safetensors"
     assert LoraSettings.from_dict(p.lora_train("lolcats")).recall_asks == 3
     # derived from lolcats, lolcats_sparse_distill keeps its own recall_asks
-    assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2") + (
+    assert p.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2S") + (
         ".safetensors")
-    # rows asked at their end only keep the file name, and the stage's params, of before the key
+    # rows asked at their end only, of their own attributes, keep the file name, and the stage's
+    # params, of before both keys
     cfg = _config({})
-    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_asks"] = 1
+    lora = next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]
+    lora["recall_asks"] = 1
+    del lora["recall_same_attribute"]
     once = Pipeline(cfg, REPO)
     once.check()
     assert once.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, 8) + (
         ".safetensors")
-    assert "recall_asks" not in once.lora_train("lolcats_sparse_distill")
+    assert not {"recall_asks", "recall_same_attribute"} & set(once.lora_train("lolcats_sparse_distill"))
     assert LoraSettings.from_dict(once.lora_train("lolcats_sparse_distill")).recall_asks == 1
 
 
 def test_one_attribute_a_row_is_a_file_of_its_own():
-    p = Pipeline(_config({}), REPO)
+    same = Pipeline(_config({}), REPO)  # the default: one attribute a row
     cfg = _config({})
-    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_same_attribute"] = True
-    same = Pipeline(cfg, REPO)
-    same.check()
+    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_same_attribute"] = False
+    own = Pipeline(cfg, REPO)
+    own.check()
     assert same.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2S") + (
         ".safetensors")
+    assert own.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2") + (
+        ".safetensors")
     assert LoraSettings.from_dict(same.lora_train("lolcats_sparse_distill")).recall_same_attribute
-    assert "recall_same_attribute" not in p.lora_train("lolcats_sparse_distill")  # the default's params stay
+    # at its default (False) the key stays out of the params: the rows and the stage of before it keep theirs
+    assert "recall_same_attribute" not in own.lora_train("lolcats_sparse_distill")
+    assert not LoraSettings.from_dict(own.lora_train("lolcats_sparse_distill")).recall_same_attribute
 
 
 def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_path):
