@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--facts", type=int, default=8)
     ap.add_argument("--own-attributes", action="store_true", help="each fact its own attribute (default: one a row)")
+    ap.add_argument("--subjects", default="names", choices=("names", "words"),
+                    help="facts about people (default) or about things named by a word (lora.recall_subjects)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
@@ -57,7 +59,7 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "rows.safetensors"
     manifest = prepare_recall_rows({"dir": args.books, "heldout": args.heldout.split(",")}, args.base, path,
                                    seq_len=args.seq_len, rows=args.rows, facts=args.facts,
-                                   same_attribute=not args.own_attributes, seed=args.seed)
+                                   same_attribute=not args.own_attributes, subjects=args.subjects, seed=args.seed)
     tokens, answers = load_recall_rows(path)
     for name, model_dir in (("base", args.base), ("hybrid", args.hybrid)):
         model, _ = load_model(model_dir, dtype=args.dtype)

@@ -149,7 +149,7 @@ def test_lora_control_overrides_only_target():
     wf = make()
     # the keys added later (answer_target, position_draw, recall_*) at their defaults stay out of the params
     # (LoraSettings fills them in), so no job reruns for them
-    later = ("answer_target", "position_draw", "recall_asks", "recall_same_attribute")
+    later = ("answer_target", "position_draw", "recall_asks", "recall_same_attribute", "recall_subjects")
     defaults = {k: v for k, v in schema_defaults("lora").items() if k not in later}
     assert schema_defaults("lora")["answer_target"] == "teacher"
     assert wf.lora("base_lora") == canonical({**defaults, "target": "all"})

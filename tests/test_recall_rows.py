@@ -22,6 +22,8 @@ from hybrid_llama.pipeline.long_context import trains_on_books
 from hybrid_llama.recall_rows import (
     ATTRIBUTES,
     NAMES,
+    WORD_ATTRIBUTES,
+    WORDS,
     answer_positions,
     fact_text,
     load_recall_rows,
@@ -114,11 +116,13 @@ def test_rows_that_ask_once_are_the_rows_made_before_recall_asks_existed():
     assert hashlib.sha256(repr((ids, answer, facts)).encode()).hexdigest() == (
         "45109f1b6935db18a9b423112217e88931ed3a2db9b040aaa5d4e711da457435")
     for name, shape in (("8", RecallShape(8)), ("8Q2", RecallShape(8, 2)), ("12S", RecallShape(12, 1, True)),
-                        ("8Q3S", RecallShape(8, 3, True))):
+                        ("8Q3S", RecallShape(8, 3, True)), ("8Q2SW", RecallShape(8, 2, True, "words")),
+                        ("4W", RecallShape(4, subjects="words"))):
         assert shape.name == name and RecallShape.parse(name) == shape
     assert RecallShape.of({"recall_facts": 8}) == RecallShape(8, 1, False)  # the later keys at their defaults
-    with pytest.raises(ValueError, match="not a recall-rows shape"):
-        RecallShape.parse("8Q")
+    for bad in ("8Q", "8WS"):
+        with pytest.raises(ValueError, match="not a recall-rows shape"):
+            RecallShape.parse(bad)
 
 
 def test_facts_of_one_attribute_differ_by_their_names_only():
@@ -142,11 +146,35 @@ def test_facts_of_one_attribute_differ_by_their_names_only():
     assert len({f["attribute"] for f in facts}) > 1
 
 
+def test_facts_about_things_differ_by_one_common_word_and_are_drawn_as_facts_about_people():
+    tok = byte_tokenizer()
+    book = tok(_book(600), add_special_tokens=False)["input_ids"]
+    for seed in range(3):
+        ids, _, facts = recall_row(tok, book, 2048, 8, random.Random(seed), asks=2, same_attribute=True,
+                                   subjects="words")
+        text = _text(ids)
+        assert {f["name"] for f in facts} <= set(WORDS) and len({f["name"] for f in facts}) == 8
+        assert len({f["attribute"] for f in facts}) == 1 and facts[0]["attribute"] in WORD_ATTRIBUTES
+        for f in facts:  # "The cedar box's serial number is 40713.", asked for by the word alone
+            stated = f" The {f['name']} box's {f['attribute']} is {f['value']}."
+            asked = f" Question: what is the {f['name']} box's {f['attribute']}? Answer: The {f['name']} box's "
+            assert text.index(stated) == f["fact_at"] and text[: text.index(asked)].count(stated) == 1
+            for at in (f["answer_at"], f.get("mid_answer_at", f["answer_at"])):
+                assert text[:at].endswith(asked + f["attribute"] + " is") and text[at:].startswith(" " + f["value"])
+        # the same draws as a row about people: values, depths and the order asked stay, the wording changes
+        people_ids, _, people = recall_row(tok, book, 2048, 8, random.Random(seed), asks=2, same_attribute=True)
+        assert [f["value"] for f in people] == [f["value"] for f in facts]
+        assert [f["name"] for f in people] != [f["name"] for f in facts] and people_ids != ids
+    with pytest.raises(ValueError, match="subjects='places'"):
+        recall_row(tok, book, 2048, 8, random.Random(0), subjects="places")
+
+
 def test_recall_rows_use_none_of_the_evaluations_wording():
-    words = " ".join([fact_text("Mara", "locker number", "1"), question_text("Mara", "locker number")]).lower()
-    for phrase in ("pass key", "magic number", passkey.PASSKEY_QUESTION.strip().lower()):
-        assert phrase not in words
-    assert not {w.lower() for w in NAMES + ATTRIBUTES} & set(niah.KEY_WORDS)
+    for kind, key in (("names", "Mara"), ("words", "cedar")):
+        words = " ".join([fact_text(key, "locker number", "1", kind), question_text(key, "locker number", kind)])
+        for phrase in ("pass key", "magic number", passkey.PASSKEY_QUESTION.strip().lower()):
+            assert phrase not in words.lower()
+    assert not {w.lower() for w in NAMES + ATTRIBUTES + WORDS + WORD_ATTRIBUTES} & set(niah.KEY_WORDS)
 
 
 def test_answer_positions_are_the_positions_that_predict_an_answer_token():
@@ -301,6 +329,7 @@ def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them
                        ({**cfg, "recall_seq_len": 512}, "and 512 tokens"),
                        ({**cfg, "recall_asks": 2}, r"shape 1\) .*shape 1Q2\)"),
                        ({**cfg, "recall_same_attribute": True}, r"shape 1\) .*shape 1S\)"),
+                       ({**cfg, "recall_subjects": "words"}, r"shape 1\) .*shape 1W\)"),
                        ({**cfg, "recall_rows": 0}, "lora.recall_rows is 0")):
         with pytest.raises(ValueError, match=match):
             ft.run_finetune(tiny_model_dir, corpus, bad, tmp_path / "x", hybrid=hybrid, recall_rows=recall_file)
@@ -391,6 +420,21 @@ def test_one_attribute_a_row_is_a_file_of_its_own():
     assert not LoraSettings.from_dict(own.lora_train("lolcats_sparse_distill")).recall_same_attribute
 
 
+def test_facts_about_things_are_a_file_of_their_own():
+    cfg = _config({})
+    next(v for v in cfg["variants"] if v["name"] == "lolcats_sparse_distill")["lora"]["recall_subjects"] = "words"
+    words = Pipeline(cfg, REPO)
+    words.check()
+    assert words.lora_inputs("smollm2", "lolcats_sparse_distill")["recall"] == RECALL.format(8192, 4, "8Q2SW") + (
+        ".safetensors")
+    assert LoraSettings.from_dict(words.lora_train("lolcats_sparse_distill")).recall_subjects == "words"
+    # at its default ("names") the key stays out of the params, so the default's rows and stages keep theirs
+    assert "recall_subjects" not in Pipeline(_config({}), REPO).lora_train("lolcats_sparse_distill")
+    cfg["variants"][-1].setdefault("lora", {})["recall_subjects"] = "places"
+    with pytest.raises(Exception, match="places"):
+        validate(cfg, str(SCHEMA_PATH))
+
+
 def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_path):
     _write_books(tmp_path / "books", ["pg1", "pg2"])
     source = {"dir": str(tmp_path / "books"), "heldout": ["pg2"]}
@@ -398,6 +442,7 @@ def test_recall_asks_writes_its_questions_into_the_file_and_its_manifest(tmp_pat
     twice = prepare_recall_rows(source, byte_tokenizer(), tmp_path / "b.safetensors", seq_len=1024, rows=3, facts=4,
                                 asks=2)
     assert (once["asks_per_row"], twice["asks_per_row"]) == (1, 2) and not once["same_attribute"]
+    assert once["subjects"] == "names"
     mid = sum("mid_answer_at" in f for r in twice["rows"] for f in r["facts"])
     assert mid > 0 and not any("mid_answer_at" in f for r in once["rows"] for f in r["facts"])
     assert twice["answer_tokens"] == int(load_recall_rows(tmp_path / "b.safetensors")[1].sum()) > once["answer_tokens"]

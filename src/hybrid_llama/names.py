@@ -27,39 +27,44 @@ MMLU_FORMATS = ("mc", "cloze")
 # training) rather than how training runs.
 CORPUS_KEYS = ("seq_len", "num_tokens", "corpus")
 # The lora keys of recall rows (hybrid_llama.recall_rows); a stage without recall rows is run without them.
-RECALL_KEYS = ("recall_rows", "recall_facts", "recall_asks", "recall_same_attribute",
+RECALL_KEYS = ("recall_rows", "recall_facts", "recall_asks", "recall_same_attribute", "recall_subjects",
                "recall_seq_len", "answer_weight", "answer_target")
 # The row files each training corpus is made of: a mixed corpus takes half its tokens from each.
 CORPUS_PARTS = {"documents": ("documents",), "books": ("books",), "mixed": ("documents", "books")}
-# A recall-rows file's facts wildcard (RecallShape.name): facts, Q and the places asked, S for one attribute.
-RECALL_SHAPE_PATTERN = r"\d+(?:Q\d+)?S?"
+# A recall-rows file's facts wildcard (RecallShape.name): facts, Q and the places asked, S for one
+# attribute, W for things named by a word.
+RECALL_SHAPE_PATTERN = r"\d+(?:Q\d+)?S?W?"
 
 
 @dataclass(frozen=True)
 class RecallShape:
     """What each recall row holds (hybrid_llama.recall_rows): ``facts`` facts, asked for in ``asks``
-    places, all stating one attribute (``same_attribute``) or each its own. ``name`` is the
-    file's facts wildcard: "8" for 8 facts of their own attributes asked at the end (so the files
-    made before the other two keys keep their names), "8Q2" asked in 2 places, "8S" or "8Q2S" with
-    one attribute shared."""
+    places, all stating one attribute (``same_attribute``) or each its own, about people
+    (``subjects`` "names") or things named by a common word ("words"). ``name`` is the file's facts
+    wildcard: "8" for 8 facts about people, of their own attributes, asked at the end (so the files
+    made before the later keys keep their names), "8Q2" asked in 2 places, "8S" or "8Q2S" with one
+    attribute shared, a trailing "W" for things."""
 
     facts: int
     asks: int = 1
     same_attribute: bool = False
+    subjects: str = "names"
 
     @property
     def name(self) -> str:
-        return f"{self.facts}{f'Q{self.asks}' if self.asks != 1 else ''}{'S' if self.same_attribute else ''}"
+        return (f"{self.facts}{f'Q{self.asks}' if self.asks != 1 else ''}{'S' if self.same_attribute else ''}"
+                f"{'W' if self.subjects == 'words' else ''}")
 
     @classmethod
     def parse(cls, name: str) -> RecallShape:
-        m = re.fullmatch(r"(\d+)(?:Q(\d+))?(S)?", str(name))
+        m = re.fullmatch(r"(\d+)(?:Q(\d+))?(S)?(W)?", str(name))
         if m is None:
-            raise ValueError(f"{name!r} is not a recall-rows shape (facts, then Q<asks>, then S)")
-        return cls(int(m.group(1)), int(m.group(2) or 1), bool(m.group(3)))
+            raise ValueError(f"{name!r} is not a recall-rows shape (facts, then Q<asks>, then S, then W)")
+        return cls(int(m.group(1)), int(m.group(2) or 1), bool(m.group(3)), "words" if m.group(4) else "names")
 
     @classmethod
     def of(cls, lora: Mapping[str, Any]) -> RecallShape:
         """The shape a ``lora`` section asks for (the later keys may be absent: the fields' defaults)."""
         return cls(int(lora["recall_facts"]), int(lora.get("recall_asks", cls.asks)),
-                   bool(lora.get("recall_same_attribute", cls.same_attribute)))
+                   bool(lora.get("recall_same_attribute", cls.same_attribute)),
+                   str(lora.get("recall_subjects", cls.subjects)))

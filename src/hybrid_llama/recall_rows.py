@@ -5,7 +5,9 @@ documents or book rows trains that little, and a hybrid that matches base on pro
 the passkey. A recall row is a run of a training book with ``facts`` short statements ("Mara's
 locker number is 40713.") set at sentence starts, then one question per fact, each answered with its
 value (with ``lora.recall_asks`` > 1, also in question blocks inside the row; with
-``lora.recall_same_attribute``, every fact of a row states one attribute). The distillation
+``lora.recall_same_attribute``, every fact of a row states one attribute; with
+``lora.recall_subjects: words``, the facts belong to things named by one common word, "The cedar
+box's serial number is 40713.", instead of to people). The distillation
 (``lora.recall_rows``) scores every position as usual and weights the
 positions that predict an answer token by ``lora.answer_weight``: there the teacher reads the
 fact back from far away.
@@ -40,19 +42,39 @@ ATTRIBUTES = (
     "locker number", "ticket number", "room number", "phone extension", "order number", "seat number",
     "badge number", "parcel number",
 )
+# Self-written, for ``subjects="words"``: things told apart by one common word, as the multi-key
+# needles' keys are (none of those key words), and what a number of theirs is.
+WORDS = (
+    "acorn", "barrel", "basket", "beacon", "bucket", "cedar", "chisel", "clover", "cobalt", "compass",
+    "cotton", "feather", "granite", "hammer", "honey", "ivory", "juniper", "ladder", "lemon", "maple",
+    "marble", "olive", "pebble", "thistle",
+)
+WORD_ATTRIBUTES = (
+    "serial number", "lot number", "shelf number", "tag number", "stock number", "batch number",
+    "crate number", "code number",
+)
+SUBJECTS = {"names": (NAMES, ATTRIBUTES), "words": (WORDS, WORD_ATTRIBUTES)}
 
 
-def fact_text(name: str, attribute: str, value: str) -> str:
-    return f" {name}'s {attribute} is {value}."
+def owner_text(subject: str, kind: str, *, start: bool) -> str:
+    """Whose number it is: "Mara's", or "The cedar box's" (``start``: at a sentence start)."""
+    if kind == "names":
+        return f"{subject}'s"
+    return f"{'The' if start else 'the'} {subject} box's"
 
 
-def question_text(name: str, attribute: str) -> str:
-    return f" Question: what is {name}'s {attribute}? Answer: {name}'s {attribute} is"
+def fact_text(name: str, attribute: str, value: str, kind: str = "names") -> str:
+    return f" {owner_text(name, kind, start=True)} {attribute} is {value}."
+
+
+def question_text(name: str, attribute: str, kind: str = "names") -> str:
+    owner, again = owner_text(name, kind, start=False), owner_text(name, kind, start=True)
+    return f" Question: what is {owner} {attribute}? Answer: {again} {attribute} is"
 
 
 def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int,
-               rng: random.Random, asks: int = 1,
-               same_attribute: bool = False) -> tuple[list[int], list[bool], list[dict]]:
+               rng: random.Random, asks: int = 1, same_attribute: bool = False,
+               subjects: str = "names") -> tuple[list[int], list[bool], list[dict]]:
     """One row of exactly ``seq_len`` tokens: a run of ``book_ids`` from a random offset with
     ``facts`` facts at random depths (snapped to sentence starts), then the questions in a random
     order, each followed by its value and a full stop. With ``asks`` > 1 the row also asks in its
@@ -61,22 +83,28 @@ def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int
     distances too, as a prompt of half the row's length would ask them. The end still asks for every
     fact. With ``same_attribute`` every fact states one attribute ("Mara's room number", "Hugo's
     room number"), so only the names tell the facts apart, as only the keys tell the multi-key
-    needles apart. Returns (ids, answer flags per token, the facts with their value's token spans:
-    ``answer_at`` at the end, ``mid_answer_at`` in a middle block, where one asks)."""
+    needles apart. ``subjects`` says whose the facts are: ``names``, people's, or ``words``, things
+    named by one common word ("The cedar box's serial number"); the draws are the same, so a row of
+    either kind on one seed differs only in its wording. Returns (ids, answer flags per token, the
+    facts with their value's token spans: ``answer_at`` at the end, ``mid_answer_at`` in a middle
+    block, where one asks)."""
     if asks < 1:
         raise ValueError(f"asks={asks}: a recall row asks at least once, at its end")
+    if subjects not in SUBJECTS:
+        raise ValueError(f"subjects={subjects!r}: one of {sorted(SUBJECTS)}")
+    keys, attributes = SUBJECTS[subjects]
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    people = rng.sample(NAMES, facts)
-    attrs = [rng.choice(ATTRIBUTES)] * facts if same_attribute else [rng.choice(ATTRIBUTES) for _ in people]
+    people = rng.sample(keys, facts)
+    attrs = [rng.choice(attributes)] * facts if same_attribute else [rng.choice(attributes) for _ in people]
     values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in people)]
-    pieces = [encode(fact_text(n, a, v)) for n, a, v in zip(people, attrs, values)]
+    pieces = [encode(fact_text(n, a, v, subjects)) for n, a, v in zip(people, attrs, values)]
     order = rng.sample(range(facts), facts)
 
     def questions(asked: Sequence[int], head: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
         """``head`` then a question on each fact of ``asked`` with its value; the values' spans in it."""
         spans = {}
         for i in asked:
-            head = head + encode(question_text(people[i], attrs[i]))
+            head = head + encode(question_text(people[i], attrs[i], subjects))
             value = encode(f" {values[i]}")
             spans[i] = (len(head), len(head) + len(value))
             head = head + value + encode(".")
@@ -137,11 +165,12 @@ def answer_positions(answers: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike, *, seq_len: int, rows: int,
-                        facts: int, asks: int = 1, same_attribute: bool = False, seed: int = 0) -> dict:
+                        facts: int, asks: int = 1, same_attribute: bool = False, subjects: str = "names",
+                        seed: int = 0) -> dict:
     """``rows`` recall rows of ``seq_len`` tokens on the training books (``books``: ``{dir, heldout}``,
     every book of the directory not held out), the books taken in turn, each row asking in
-    ``asks`` places, its facts of one attribute or each of its own (``recall_row``); returns the
-    manifest.
+    ``asks`` places, its facts of one attribute or each of its own, people's or things'
+    (``recall_row``); returns the manifest.
     Writes ``out_path`` (safetensors ``tokens`` int32 and ``answers`` uint8, both ``[rows, seq_len]``)
     and the JSON manifest beside it, which records each row's book, facts and answer positions."""
     directory = Path(books["dir"])
@@ -155,7 +184,7 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
     for r in range(int(rows)):
         b = r % len(names)
         row, answer, facts_of_row = recall_row(tok, ids[b], int(seq_len), int(facts), rng, int(asks),
-                                               bool(same_attribute))
+                                               bool(same_attribute), subjects)
         tokens.append(row)
         answers.append(answer)
         records.append({"book": names[b], "facts": facts_of_row})
@@ -169,6 +198,7 @@ def prepare_recall_rows(books: dict, tokenizer: Any, out_path: str | os.PathLike
         "facts_per_row": int(facts),
         "asks_per_row": int(asks),
         "same_attribute": bool(same_attribute),
+        "subjects": subjects,
         "seed": int(seed),
         "answer_tokens": int(tensors["answers"].sum()),
         "rows": records,

@@ -20,5 +20,6 @@ manifest = prepare_recall_rows(
     facts=shape.facts,
     asks=shape.asks,
     same_attribute=shape.same_attribute,
+    subjects=shape.subjects,
 )
 print(json.dumps({k: v for k, v in manifest.items() if k != "rows"}, indent=1))

@@ -40,7 +40,7 @@ from .variants import lora_owner, resolve_variants, transfer_owner
 
 # Training keys added after runs existed, with the default that reproduces those runs.
 LATER_KEYS = {"answer_target": "teacher", "position_draw": "uniform", "recall_asks": 1,
-              "recall_same_attribute": False}
+              "recall_same_attribute": False, "recall_subjects": "names"}
 
 __all__ = ["Pipeline"]
 

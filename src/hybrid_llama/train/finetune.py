@@ -198,7 +198,7 @@ def run_finetune(
 
 def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
     """The recall-rows file must be the one lora.recall_rows, its shape (recall_facts, recall_asks,
-    recall_same_attribute) and recall_seq_len describe."""
+    recall_same_attribute, recall_subjects) and recall_seq_len describe."""
     if s.recall_rows == 0:
         if path is not None:
             raise ValueError("recall rows given but lora.recall_rows is 0")
@@ -210,10 +210,10 @@ def _check_recall_rows(s: LoraSettings, path: str | os.PathLike | None) -> None:
     from hybrid_llama.data import read_manifest
 
     m = read_manifest(path)
-    # a manifest written before recall_asks and recall_same_attribute existed: asked at the end, attributes drawn
+    # a manifest written before the later keys existed: asked at the end, attributes drawn, people's
     got = RecallShape(m.get("facts_per_row"), m.get("asks_per_row", RecallShape.asks),
-                      m.get("same_attribute", RecallShape.same_attribute))
-    want = RecallShape(s.recall_facts, s.recall_asks, s.recall_same_attribute)
+                      m.get("same_attribute", RecallShape.same_attribute), m.get("subjects", RecallShape.subjects))
+    want = RecallShape(s.recall_facts, s.recall_asks, s.recall_same_attribute, s.recall_subjects)
     if (m.get("num_sequences"), got) != (s.recall_rows, want) or s.recall_seq_len not in (None, m.get("seq_len")):
         raise ValueError(f"{path} holds {m.get('num_sequences')} rows of {got.facts} facts (shape {got.name}) and "
                          f"{m.get('seq_len')} tokens; lora asks for {s.recall_rows} of {want.facts} facts (shape "

@@ -176,6 +176,7 @@ class LoraSettings(_StageSettings):
     recall_facts: int
     recall_asks: int
     recall_same_attribute: bool
+    recall_subjects: str
     recall_seq_len: int | None
     answer_weight: float
     answer_target: str
