@@ -56,20 +56,20 @@ WORD_ATTRIBUTES = (
 SUBJECTS = {"names": (NAMES, ATTRIBUTES), "words": (WORDS, WORD_ATTRIBUTES)}
 
 
-def owner_text(subject: str, kind: str, *, start: bool) -> str:
+def owner_text(owner: str, subjects: str, *, start: bool) -> str:
     """Whose number it is: "Mara's", or "The cedar box's" (``start``: at a sentence start)."""
-    if kind == "names":
-        return f"{subject}'s"
-    return f"{'The' if start else 'the'} {subject} box's"
+    if subjects == "names":
+        return f"{owner}'s"
+    return f"{'The' if start else 'the'} {owner} box's"
 
 
-def fact_text(name: str, attribute: str, value: str, kind: str = "names") -> str:
-    return f" {owner_text(name, kind, start=True)} {attribute} is {value}."
+def fact_text(owner: str, attribute: str, value: str, subjects: str = "names") -> str:
+    return f" {owner_text(owner, subjects, start=True)} {attribute} is {value}."
 
 
-def question_text(name: str, attribute: str, kind: str = "names") -> str:
-    owner, again = owner_text(name, kind, start=False), owner_text(name, kind, start=True)
-    return f" Question: what is {owner} {attribute}? Answer: {again} {attribute} is"
+def question_text(owner: str, attribute: str, subjects: str = "names") -> str:
+    asked, again = owner_text(owner, subjects, start=False), owner_text(owner, subjects, start=True)
+    return f" Question: what is {asked} {attribute}? Answer: {again} {attribute} is"
 
 
 def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int,
@@ -92,26 +92,26 @@ def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int
         raise ValueError(f"asks={asks}: a recall row asks at least once, at its end")
     if subjects not in SUBJECTS:
         raise ValueError(f"subjects={subjects!r}: one of {sorted(SUBJECTS)}")
-    keys, attributes = SUBJECTS[subjects]
+    pool, attributes = SUBJECTS[subjects]
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    people = rng.sample(keys, facts)
-    attrs = [rng.choice(attributes)] * facts if same_attribute else [rng.choice(attributes) for _ in people]
-    values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in people)]
-    pieces = [encode(fact_text(n, a, v, subjects)) for n, a, v in zip(people, attrs, values)]
+    owners = rng.sample(pool, facts)
+    attrs = [rng.choice(attributes)] * facts if same_attribute else [rng.choice(attributes) for _ in owners]
+    values = [str(rng.randrange(10 ** (d - 1), 10**d)) for d in (rng.randint(3, 6) for _ in owners)]
+    pieces = [encode(fact_text(n, a, v, subjects)) for n, a, v in zip(owners, attrs, values)]
     order = rng.sample(range(facts), facts)
 
     def questions(asked: Sequence[int], head: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
         """``head`` then a question on each fact of ``asked`` with its value; the values' spans in it."""
         spans = {}
         for i in asked:
-            head = head + encode(question_text(people[i], attrs[i], subjects))
+            head = head + encode(question_text(owners[i], attrs[i], subjects))
             value = encode(f" {values[i]}")
             spans[i] = (len(head), len(head) + len(value))
             head = head + value + encode(".")
         return head, spans
 
     # facts in the first 90 % of the haystack: most answers lie far beyond a 64-token window
-    draw_depths = lambda: [rng.uniform(0.0, 0.9) for _ in people]  # noqa: E731
+    draw_depths = lambda: [rng.uniform(0.0, 0.9) for _ in owners]  # noqa: E731
     # middle blocks are placed by the facts' depths, so those are drawn before the haystack's start;
     # one ask keeps the draw order of the rows made before ``asks`` existed
     depths = draw_depths() if asks > 1 else None
@@ -149,7 +149,7 @@ def recall_row(tokenizer: Any, book_ids: Sequence[int], seq_len: int, facts: int
         flag(offset, spans_of_block)
         mid_answer_at.update({i: offset + a for i, (a, _) in spans_of_block.items()})
     flag(len(body), answer_spans)
-    records = [{"name": people[i], "attribute": attrs[i], "value": values[i], "fact_at": spans[i][0],
+    records = [{"name": owners[i], "attribute": attrs[i], "value": values[i], "fact_at": spans[i][0],
                 "answer_at": len(body) + answer_spans[i][0]} for i in range(facts)]
     for i, at in mid_answer_at.items():
         records[i]["mid_answer_at"] = at
