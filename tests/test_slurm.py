@@ -2,9 +2,9 @@
 
 tests/slurm/up.sh starts slurmctld + slurmd + munge on localhost with one fake GPU
 (gres `File=/dev/null`); tests/slurm/down.sh stops them, also when a test fails.
-The DAG of config/test.yaml runs through the SLURM executor plugin; the test checks that
-the jobs went through sbatch, that the results equal a local run's, and that jobs asking for
-the one GPU never ran at the same time.
+The DAG of config/test.yaml, narrowed to one hybrid variant (``slurm_config``), runs through the
+SLURM executor plugin; the test checks that the jobs went through sbatch, that the results equal a
+local run's, and that jobs asking for the one GPU never ran at the same time.
 
 Run: `pytest -m slurm tests/test_slurm.py` as root (installs Debian packages on first use).
 The profile checks at the bottom need no cluster and run in the normal suite.
@@ -40,16 +40,21 @@ FAKE_GPU_RULES = ("transfer", "lora", "base_lora", "mmlu")
 TYPED_GPU_RULE = "lora"
 # Rules that run on the submitting host (localrules in the workflow) or are not jobs at all.
 HOST_RULES = {"weights", "transfer_data", "instruct_data", "mmlu_download", "all"}
+# The one hybrid variant of config/test.yaml the cluster run keeps (as the recommended one). Every
+# rule still runs; the other variants would add jobs of the same rules, and every job costs two
+# Snakemake starts inside SLURM (about 2.5 s of CPU each) besides its own work. The local test DAG
+# (tests/test_workflow.py) runs them all.
+SLURM_VARIANT = "lc16"
 # Deterministic artifacts a local run makes too, compared with the cluster's.
 COMPARED = [
-    "resources/data/transfer/tiny/L64_N2048.safetensors",
+    "resources/data/transfer/tiny/L128_N1024.safetensors",  # SLURM_VARIANT's transfer rows
     "resources/data/instruct/tiny.safetensors",
-    "results/tiny/w16/transfer/hybrid_layers.safetensors",
-    "results/tiny/w16/lora/adapter_model.safetensors",
+    f"results/tiny/{SLURM_VARIANT}/transfer/hybrid_layers.safetensors",
+    f"results/tiny/{SLURM_VARIANT}/lora/adapter_model.safetensors",
     "results/tiny/base_lora/lora/adapter_model.safetensors",
     "results/tiny/base/mmlu/cpu/base/mc_0shot.json",
-    "results/tiny/w16/mmlu/cpu/transfer/mc_0shot.json",
-    "results/tiny/w16/mmlu/cpu/transfer_lora/mc_0shot.json",
+    f"results/tiny/{SLURM_VARIANT}/mmlu/cpu/transfer/mc_0shot.json",
+    f"results/tiny/{SLURM_VARIANT}/mmlu/cpu/transfer_lora/mc_0shot.json",
     "results/tiny/base_lora/mmlu/cpu/base_lora/mc_0shot.json",
 ]
 RUN_TIMEOUT_S = 3600
@@ -59,14 +64,29 @@ RUN_TIMEOUT_S = 3600
 # helpers
 
 
-def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
+def snakemake_cmd(workdir: Path, *args: str, overlay: Path | None = None) -> list[str]:
     return [
         sys.executable, "-m", "snakemake",
         "--snakefile", str(REPO / "Snakefile"),
         "--directory", str(workdir),
-        "--configfile", str(TEST_CONFIG),
         *args,
+        # last: --configfile takes every path that follows it
+        "--configfile", str(TEST_CONFIG), *([str(overlay)] if overlay else []),
     ]  # fmt: skip
+
+
+def slurm_config(tmp: Path) -> Path:
+    """A config file laid over config/test.yaml (Snakemake merges it key by key, lists replaced)
+    that keeps only SLURM_VARIANT among the variants and makes it the recommended one."""
+    variants = yaml.safe_load(TEST_CONFIG.read_text())["variants"]
+    overlay = {
+        "variants": [v for v in variants if v["name"] == SLURM_VARIANT],
+        "recommended": SLURM_VARIANT,
+        "zeroshot": {"variants": [SLURM_VARIANT]},
+    }
+    out = tmp / "slurm-config.yaml"
+    out.write_text(yaml.safe_dump(overlay, sort_keys=False))
+    return out
 
 
 def run_snakemake(cmd: list[str], log: Path) -> str:
@@ -223,13 +243,19 @@ def test_dag_on_slurm_matches_local_run(slurm_cluster, tmp_path):
 
     # --- the whole DAG through the SLURM profile ---
     cluster_dir = tmp_path / "cluster"
+    overlay = slurm_config(tmp_path)
     start = time.monotonic()
     text = run_snakemake(
-        snakemake_cmd(cluster_dir, "--workflow-profile", str(site_profile(tmp_path))),
+        snakemake_cmd(cluster_dir, "--workflow-profile", str(site_profile(tmp_path)), overlay=overlay),
         tmp_path / "cluster.log",
     )
     cluster_s = time.monotonic() - start
     assert (cluster_dir / "results" / "report.html").is_file()
+
+    # --- every rule of the whole test DAG ran, with one variant fewer ---
+    full_dir = tmp_path / "full"
+    full_dir.mkdir()
+    assert set(job_stats(text)) == {j["rule"] for j in dry_run_jobs(DEFAULT_PROFILE.parent, full_dir)} | {"all"}
 
     # --- it went through sbatch ---
     run_id = re.search(r"SLURM run ID: (\S+)", text).group(1)
@@ -277,7 +303,8 @@ def test_dag_on_slurm_matches_local_run(slurm_cluster, tmp_path):
     local_dir = tmp_path / "local"
     start = time.monotonic()
     run_snakemake(
-        snakemake_cmd(local_dir, "--workflow-profile", str(DEFAULT_PROFILE.parent), "--cores", "2", *COMPARED),
+        snakemake_cmd(local_dir, "--workflow-profile", str(DEFAULT_PROFILE.parent), "--cores", "2", *COMPARED,
+                      overlay=overlay),
         tmp_path / "local.log",
     )
     local_s = time.monotonic() - start
