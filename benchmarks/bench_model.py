@@ -8,6 +8,10 @@
         --base-softmax-layers                                            # CPU, real weights
     python benchmarks/bench_model.py --preset tiny --device cpu --dtype float32 --backends chunked \
         --prefill-lens 64,256 --decode-context 256 --decode-batch 2     # a CPU smoke run
+    python benchmarks/bench_model.py --preset smollm2-135m --layers 0,1,2,6,8,10,11,13,14,16,18,20,22,24,29 \
+        --formulation lolcats --feature-map hedgehog --sparse-cache 128 --sinks 4 \
+        --hybrid '{"decay": 0.9995, "softmax_heads": [[18, 2], [20, 1]]}' --prefill-lens 1024,4096,8192 \
+        --decode-context 8192                                   # the default run's recommended variant
 
 The model is ``--model-dir`` (a model directory such as the pipeline's SmolLM2 weights) or a randomly
 initialised model of ``--preset``'s architecture (default ``llama-3.2-1b``: 16 layers, 32 query / 8
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--formulation", default="hybrid", help="hybrid, lolcats or window")
     ap.add_argument("--feature-map", default="elu1", help="elu1 or hedgehog")
+    ap.add_argument("--hybrid", default="{}",
+                    help="further HybridConfig fields as JSON, e.g. the recommended variant's "
+                    "'{\"decay\": 0.9995, \"softmax_heads\": [[18, 2], [20, 1]]}'")
     ap.add_argument("--sparse-cache", type=int, default=0, help="also measure a sparse cache of this many keys")
     ap.add_argument("--sinks", type=int, default=4, help="sink tokens of the sparse-cache variant")
     ap.add_argument("--backends", default="triton,chunked", help="hybrid backends to measure")
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         n_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
         layers = list(range(0, n_layers, 2)) if args.layers == "even" else _ints(args.layers)
         hybrid_cfg = {"layers": layers, "window": args.window, "formulation": args.formulation,
-                      "feature_map": args.feature_map}
+                      "feature_map": args.feature_map, **json.loads(args.hybrid)}
         variants = build_throughput_variants(model_dir, hybrid_cfg, args.device, args.dtype, backends)
         if args.sparse_cache:
             sparse = build_throughput_variants(
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "peak_mem_bytes", "status"]
     print(
         f"device: {device_name}  torch {torch.__version__}  model {args.model_dir or args.preset}  dtype {args.dtype}  "
-        f"hybrid layers {layers}"
+        f"hybrid {hybrid_cfg}"
     )
     print("\nprefill (batch 1, last-position logits):")
     print(prefill[prefill.phase == "prefill"][cols].to_string(index=False))
@@ -208,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__,
                     "args": vars(args),
                     "layers": layers,
+                    "hybrid": hybrid_cfg,
                     "ratios": ratios,
                     "prefill": prefill.to_dict("records"),
                     "decode": decode.to_dict("records"),

@@ -15,7 +15,10 @@ Prefill: B=1, H=32 query heads over 8 KV heads, D=64, bf16, window 64. Implement
 - ``triton_hedgehog``: the triton backend with learned Hedgehog maps as a (query_map, key_map) pair
   (query map at 32 heads, key map at the 8 KV heads, F = 2 * D = 128): the maps run in torch, the
   kernels read their features; the time includes the maps (and, fwd+bwd, their parameter gradients);
-- ``chunked_hedgehog`` (not in the default list): the same maps on the chunked backend.
+- ``chunked_hedgehog`` (not in the default list): the same maps on the chunked backend;
+- ``triton_decay``: ``triton`` with a decaying linear state (gamma 0.9995 per KV head, trained in the
+  backward), and ``triton_recipe``: the default run's layer, the Hedgehog pair with the ``lolcats``
+  formulation and that decay (neither in the default list).
 Reported per case: median ms (``triton.testing.do_bench``), achieved GB/s and TFLOP/s from the
 models below, and the fraction of the memory roofline: (minimal bytes / peak bandwidth) / time.
 Minimal bytes = read q, k, v and write o (fwd); plus read q, k, v, o, dO and write dq, dk, dv (bwd),
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 PEAK_BW = {"H100 SXM": 3.35e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "GH200": 4.0e12}
@@ -72,9 +76,10 @@ def prefill_flops(impl: str, T: int, H: int, HKV: int, D: int, w: int, backward:
     if impl == "sdpa":
         f = 2.0 * T * T * D * H  # causal: half of 4 T^2 D
     else:
-        F = 2 * D if impl.endswith("_hedgehog") else D
+        hedgehog = impl.endswith("_hedgehog") or impl == "triton_recipe"
+        F = 2 * D if hedgehog else D
         f = H * T * (4.0 * w * D + 2.0 * F * D) + HKV * T * 2.0 * F * D
-        if impl.endswith("_hedgehog"):
+        if hedgehog:
             f += (H + HKV) * T * 2.0 * D * (F // 2)  # the maps' projections
     return f * (3.5 if backward else 1.0)
 
@@ -196,7 +201,7 @@ def main() -> int:
     ap.add_argument(
         "--impls",
         default="triton,triton_hedgehog,chunked,sdpa,seed_naive",
-        help="of triton, triton_hedgehog, chunked, chunked_hedgehog, sdpa, seed_naive",
+        help="of triton, triton_hedgehog, triton_decay, triton_recipe, chunked, chunked_hedgehog, sdpa, seed_naive",
     )
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
@@ -247,6 +252,7 @@ def main() -> int:
     # Hedgehog (query_map, key_map) pair as the model builds it: queries at H heads, keys at the KV heads.
     pair = (HedgehogFeatureMap(H, D).to(dev), HedgehogFeatureMap(HKV, D).to(dev))
     pair_params = [p for m in pair for p in m.parameters()]
+    log_decay = torch.full((HKV,), math.log(0.9995), device=dev, requires_grad=True)
 
     def bench(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=100)
@@ -270,7 +276,7 @@ def main() -> int:
         wl = torch.zeros(H, device=dev)
         ll = torch.zeros(H, device=dev)
         for impl in impls:
-            kv_heads = HKV if impl in ("triton", "sdpa", "triton_hedgehog", "chunked_hedgehog") else H
+            kv_heads = HKV if impl.startswith("triton") or impl in ("sdpa", "chunked_hedgehog") else H
             if impl == "triton":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
                     q, k, v, wl, ll, window=w, block_size=args.block
@@ -278,6 +284,15 @@ def main() -> int:
             elif impl == "triton_hedgehog":
                 fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
                     q, k, v, wl, ll, window=w, feature_map=pair, block_size=args.block
+                )[0]
+            elif impl == "triton_decay":
+                fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
+                    q, k, v, wl, ll, window=w, log_decay=log_decay, block_size=args.block
+                )[0]
+            elif impl == "triton_recipe":
+                fn = lambda q, k, v, wl, ll: hybrid_attention_triton(  # noqa: E731
+                    q, k, v, wl, ll, window=w, feature_map=pair, formulation="lolcats", log_decay=log_decay,
+                    block_size=args.block,
                 )[0]
             elif impl == "chunked_hedgehog":  # GQA k/v in place: the key map runs at the KV heads
                 fn = lambda q, k, v, wl, ll: hybrid_attention_chunked(  # noqa: E731
@@ -310,8 +325,10 @@ def main() -> int:
                         do = torch.randn_like(q)
 
                         wrt = (qg, kg, vg, wg, lg) if impl != "sdpa" else (qg, kg, vg)
-                        if impl.endswith("_hedgehog"):
+                        if impl.endswith("_hedgehog") or impl == "triton_recipe":
                             wrt = wrt + tuple(pair_params)  # training updates the maps too
+                        if impl in ("triton_decay", "triton_recipe"):
+                            wrt = wrt + (log_decay,)  # and the decay
 
                         def step():
                             out = fn(qg, kg, vg, wg, lg)

@@ -3,6 +3,8 @@
     python benchmarks/profile_layer.py                         # SmolLM2-135M's attention shape
     python benchmarks/profile_layer.py --model-dir resources/weights/smollm2 --layer 14
     python benchmarks/profile_layer.py --ops                   # also list the ops each call runs
+    python benchmarks/profile_layer.py --device cuda --dtype bfloat16 --sparse-cache 128 --sinks 4 \
+        --decay 0.9995 --prefill-lens 1024,8192 --decode-contexts 8192 --calls 20 --ops   # on a GPU
 
 Both layers get the same weights (the hybrid owns copies, as ``convert_to_hybrid`` makes them) and
 are called the way ``generate`` calls them: a prefill of ``T`` tokens into a fresh transformers
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--sparse-cache", type=int, default=0)
     ap.add_argument("--sinks", type=int, default=0)
+    ap.add_argument("--decay", type=float, default=None, help="a decaying linear state with this gamma at init")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefill-lens", default="1,16,64,256,1024")
     ap.add_argument("--decode-contexts", default="1,32,256,1024,2048")
     ap.add_argument("--calls", type=int, default=200, help="timed calls per case (prefill: a tenth)")
@@ -64,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
                              intermediate_size=1536, num_hidden_layers=30, max_position_embeddings=8192)
     config._attn_implementation = "sdpa"
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     softmax = LlamaAttention(config, args.layer).eval()
     if args.model_dir:
         from safetensors import safe_open
@@ -72,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         with safe_open(f"{args.model_dir}/model.safetensors", framework="pt") as f:
             softmax.load_state_dict({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
     cfg = HybridConfig(layers=[args.layer], window=args.window, formulation=args.formulation,
-                       feature_map=args.feature_map, sparse_cache=args.sparse_cache, sinks=args.sinks)
-    hybrid = make_hybrid_attention(softmax, cfg).eval()
-    rope = LlamaRotaryEmbedding(config)
+                       feature_map=args.feature_map, sparse_cache=args.sparse_cache, sinks=args.sinks,
+                       decay=args.decay)
+    hybrid = make_hybrid_attention(softmax, cfg).eval().to(dev, dtype)
+    softmax.to(dev, dtype)
+    rope = LlamaRotaryEmbedding(config).to(dev)
     H = config.hidden_size
     layers = {"softmax": softmax, "hybrid": hybrid}
 
@@ -86,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return DynamicCache(config=config)
 
     def prefill_case(T: int):
-        x = torch.randn(1, T, H)
-        pos = torch.arange(T)[None]
+        x = torch.randn(1, T, H, device=dev, dtype=dtype)
+        pos = torch.arange(T, device=dev)[None]
 
         def run(layer):
             call(layer, x, pos, fresh_cache())
@@ -95,20 +103,25 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode_case(C: int):
         caches = {}
-        ctx = torch.randn(1, C, H)
+        ctx = torch.randn(1, C, H, device=dev, dtype=dtype)
         for name, layer in layers.items():
             caches[name] = fresh_cache()
-            call(layer, ctx, torch.arange(C)[None], caches[name])
-        x = torch.randn(1, 1, H)
+            call(layer, ctx, torch.arange(C, device=dev)[None], caches[name])
+        x = torch.randn(1, 1, H, device=dev, dtype=dtype)
 
         def run(layer):
             # Step at position C again and again: the softmax cache grows by one key per call (the
             # step's cost at C + calls keys), the hybrid state stays one size, as in generation.
             name = "softmax" if layer is softmax else "hybrid"
-            call(layer, x, torch.tensor([[C]]), caches[name])
+            call(layer, x, torch.tensor([[C]], device=dev), caches[name])
         return run
 
-    flush = torch.ones(args.cold * 2**18) if args.cold else None  # MB of fp32
+    flush = torch.ones(args.cold * 2**18, device=dev) if args.cold else None  # MB of fp32
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:  # time the device's work, not only its launch
+            torch.cuda.synchronize()
 
     def time_case(run, calls: int) -> dict[str, float]:
         times = {name: [] for name in layers}
@@ -121,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name, layer in order:
                     if flush is not None:
                         flush.sum()
+                    sync()
                     t0 = time.perf_counter()
                     run(layer)
+                    sync()
                     times[name].append(time.perf_counter() - t0)
         return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
@@ -133,13 +148,22 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             for name, layer in layers.items():
                 run(layer)
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
                     run(layer)
+                    sync()
                 events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
                 top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
                 total = sum(e.count for e in events)
                 out.append(f"    {name}: {total} aten calls (nested included); top self time: "
                            + ", ".join(f"{e.key[6:]} x{e.count} {e.self_cpu_time_total:.0f}us" for e in top))
+                if cuda:  # the kernels: which run longest, and how many launches a call makes
+                    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+                    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+                    out.append(f"    {name}: {sum(e.count for e in kernels)} device ops, "
+                               f"{sum(e.self_device_time_total for e in kernels):.0f}us on the device; top: "
+                               + ", ".join(f"{e.key[:48]} x{e.count} {e.self_device_time_total:.0f}us"
+                                           for e in top))
         return "\n".join(out)
 
     print(f"torch {torch.__version__}, {args.threads} thread(s), freed memory kept in the heap: {kept}; hybrid {cfg}")

@@ -326,6 +326,8 @@ def test_bench_model_ratios_and_goals(tmp_path):
         "8",
         "--sinks",
         "2",
+        "--hybrid",
+        '{"decay": 0.9995}',
         "--base-softmax-layers",
         "--json",
         str(out),
@@ -335,6 +337,7 @@ def test_bench_model_ratios_and_goals(tmp_path):
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["layers"] == [0, 2]  # "even" layers of the 4-layer tiny model
+    assert res["hybrid"]["decay"] == 0.9995  # the hybrid settings measured are recorded with the run
     # the CSV holds both sweeps' rows and draws with the report's own throughput plot
     import pandas as pd
 

@@ -49,6 +49,11 @@ def test_random_overrides_and_llama_preset(tmp_path):
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (2048, 16, 32, 8, 8192, 128256, True)
     assert cfg.rope_parameters["rope_theta"] == 500000.0
+    cfg = random_config({"kind": "random", "preset": "smollm2-135m"})  # SmolLM2-135M-Instruct's config.json
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, cfg.tie_word_embeddings) == (
+                576, 30, 9, 3, 64, 1536, 49152, 8192, True)
+    assert cfg.rope_parameters["rope_theta"] == 100000.0
 
 
 def test_byte_tokenizer_round_trip(tiny_tokenizer):

@@ -7,8 +7,8 @@
   installed), checked by sha256, dequantized by transformers + ``gguf`` and re-saved as safetensors.
 - ``hf``: a Hugging Face repository id; the token comes from ``HF_TOKEN`` / ``HUGGING_FACE_HUB_TOKEN``.
 - ``local``: an existing directory, validated and copied (or symlinked with ``link: true``).
-- ``random``: a randomly initialised Llama (presets ``tiny`` and ``llama-3.2-1b``) with a deterministic
-  byte-level tokenizer built on the spot; no download.
+- ``random``: a randomly initialised Llama (presets ``tiny``, ``llama-3.2-1b`` and ``smollm2-135m``) with a
+  deterministic byte-level tokenizer built on the spot; no download.
 
 Every error is a ``ModelSpecError`` naming the spec and the cause. Outputs are written to a temporary
 directory next to ``dest`` and renamed into place (``hybrid_llama.files.atomic_path``), so ``dest``
@@ -71,6 +71,12 @@ RANDOM_PRESETS: dict[str, dict[str, Any]] = {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
         },
+    ),
+    # The default run's model (SmolLM2-135M), for timing its recipe where its weights cannot travel.
+    "smollm2-135m": dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, max_position_embeddings=8192, vocab_size=49152, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
 }
 
