@@ -72,11 +72,16 @@ def prefill_bytes(T: int, H: int, HKV: int, D: int, elem: int, backward: bool) -
     return fwd + (3 * H + 2 * HKV) * tok + (H + 2 * HKV) * tok  # q, o, dO, k, v in; dq, dk, dv out
 
 
+def uses_hedgehog(impl: str) -> bool:
+    """Whether the implementation runs the Hedgehog pair (F = 2 D features, maps trained in fwd+bwd)."""
+    return impl.endswith("_hedgehog") or impl == "triton_recipe"
+
+
 def prefill_flops(impl: str, T: int, H: int, HKV: int, D: int, w: int, backward: bool) -> float:
     if impl == "sdpa":
         f = 2.0 * T * T * D * H  # causal: half of 4 T^2 D
     else:
-        hedgehog = impl.endswith("_hedgehog") or impl == "triton_recipe"
+        hedgehog = uses_hedgehog(impl)
         F = 2 * D if hedgehog else D
         f = H * T * (4.0 * w * D + 2.0 * F * D) + HKV * T * 2.0 * F * D
         if hedgehog:
@@ -325,7 +330,7 @@ def main() -> int:
                         do = torch.randn_like(q)
 
                         wrt = (qg, kg, vg, wg, lg) if impl != "sdpa" else (qg, kg, vg)
-                        if impl.endswith("_hedgehog") or impl == "triton_recipe":
+                        if uses_hedgehog(impl):
                             wrt = wrt + tuple(pair_params)  # training updates the maps too
                         if impl in ("triton_decay", "triton_recipe"):
                             wrt = wrt + (log_decay,)  # and the decay
