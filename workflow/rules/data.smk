@@ -22,6 +22,8 @@ rule transfer_data:
         log_of("transfer_data/{model}/L{seq_len}_N{num_tokens}"),
     benchmark:
         benchmark_of("transfer_data/{model}/L{seq_len}_N{num_tokens}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     params:
@@ -46,6 +48,8 @@ rule book_rows:
         log_of("book_rows/{model}/L{seq_len}_N{num_tokens}"),
     benchmark:
         benchmark_of("book_rows/{model}/L{seq_len}_N{num_tokens}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     params:
@@ -72,6 +76,8 @@ rule mixed_rows:
         log_of("mixed_rows/{model}/L{seq_len}_N{num_tokens}"),
     benchmark:
         benchmark_of("mixed_rows/{model}/L{seq_len}_N{num_tokens}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     script:
@@ -92,6 +98,8 @@ rule recall_rows:
         log_of("recall_rows/{model}/L{seq_len}_R{rows}_F{facts}"),
     benchmark:
         benchmark_of("recall_rows/{model}/L{seq_len}_R{rows}_F{facts}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     params:
@@ -111,6 +119,8 @@ rule instruct_data:
         log_of("instruct_data/{model}"),
     benchmark:
         benchmark_of("instruct_data/{model}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/train.yaml"
     params:

@@ -67,6 +67,8 @@ rule retrieval_heads:
         log_of("retrieval_heads/{model}"),
     benchmark:
         benchmark_of("retrieval_heads/{model}")
+    # It gates the recommended variant's evaluations, the longest of the run.
+    priority: 10
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]

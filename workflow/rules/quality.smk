@@ -40,6 +40,8 @@ rule passkey:
         log_of("passkey/{model}/{variant}/{device}/{stage}"),
     benchmark:
         benchmark_of("passkey/{model}/{variant}/{device}/{stage}")
+    # The longest evaluations: started first, so none is left alone at the end of the run.
+    priority: 5
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]

@@ -12,6 +12,8 @@ rule zeroshot:
         log_of("zeroshot/{model}/{variant}/{device}/{stage}"),
     benchmark:
         benchmark_of("zeroshot/{model}/{variant}/{device}/{stage}")
+    # The longest evaluations: started first, so none is left alone at the end of the run.
+    priority: 5
     conda:
         "../../envs/eval.yaml"
     threads: config["threads"]["eval"]
