@@ -293,6 +293,55 @@ def test_good_test_config_dry_run(wf_copy):
     assert "books_download" not in rules  # the mirror's books are read where they are
 
 
+def _schedule_sim():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("schedule_sim", REPO / "benchmarks" / "schedule_sim.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["schedule_sim"] = module  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_job_training_waits_for_has_trainings_priority(wf_copy):
+    """Training takes two cores and Snakemake fills one free core with any ready job, so a job
+    upstream of training with a lower priority than the evaluations' would let them starve it."""
+    sim = _schedule_sim()
+    out = snakemake(wf_copy, "-n", "--cores", "2", configfile=wf_copy / "config" / "test.yaml", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = sim.read_dry_run(out.stdout, wf_copy, untimed_s=1.0)
+    training = {j for j, job in jobs.items() if job.rule in ("transfer", "lora", "base_lora")}
+    upstream, todo = set(training), list(training)
+    while todo:
+        for dep in jobs[todo.pop()].deps - upstream:
+            upstream.add(dep)
+            todo.append(dep)
+    assert len(training) == 5 and {jobs[j].rule for j in upstream} >= {"weights", "transfer_data"}
+    assert {(jobs[j].rule, jobs[j].priority) for j in upstream if jobs[j].priority < 10} == set()
+    evaluations = [job for j, job in jobs.items() if j not in upstream and job.rule != "retrieval_heads"]
+    assert max(job.priority for job in evaluations) < 10
+
+
+def test_schedule_sim_replays_a_starved_two_core_job():
+    """A two-core job waits while one-core jobs keep the freed core busy (Snakemake's policy), and
+    its priority only helps once both cores are free at once."""
+    sim = _schedule_sim()
+
+    def job(rule, seconds, threads=1, priority=0, deps=()):
+        return sim.Job(rule, [rule], [], threads, priority, seconds, True, set(deps))
+
+    # w (1 s) gates t (2 cores, 10 s); b (20 s) starts beside w, and t waits for it
+    jobs = {0: job("w", 1, priority=10), 1: job("t", 10, threads=2, priority=10, deps=[0]), 2: job("b", 20)}
+    assert sim.makespan(jobs, 2, sim.random.Random(0)) == 30
+    # a (5 s, priority 5) starts beside w instead, but b fills the core w frees: t still waits for b
+    jobs[3] = job("a", 5, priority=5)
+    assert sim.makespan(jobs, 2, sim.random.Random(0)) == 31
+    # once nothing else is ready when w ends, t starts at once
+    del jobs[3]
+    jobs[2] = job("b", 4, deps=[1])
+    assert sim.makespan(jobs, 2, sim.random.Random(0)) == 15
+
+
 def test_books_from_the_hub_are_downloaded_once_for_every_book_job(wf_copy, tmp_path):
     """data.books.source hf: one books_download job writes every book of data.books.names, and the
     book jobs read the held-out book from there instead of the mirror; so do the book rows of a

@@ -154,6 +154,8 @@ rule books_download:
         log_of("books_download"),
     benchmark:
         benchmark_of("books_download")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/eval.yaml"
     params:

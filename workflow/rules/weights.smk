@@ -15,6 +15,8 @@ rule weights:
         log_of("weights/{model}"),
     benchmark:
         benchmark_of("weights/{model}")
+    # It gates training, which waits for two free cores: run it before the evaluations.
+    priority: 10
     conda:
         "../../envs/weights.yaml"
     params:
