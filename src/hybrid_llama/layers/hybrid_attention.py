@@ -27,6 +27,8 @@ from hybrid_llama.ops import (
     DeferredState,
     HedgehogFeatureMap,
     SparseCacheConfig,
+    continues_at_once,
+    hybrid_attention_continue,
     hybrid_attention_step,
     layer_prompt,
     native_step_in_place,
@@ -309,6 +311,12 @@ class HybridLlamaAttention(LlamaAttention):
                 slot.defer_state(state)
             elif slot is not None:
                 slot.set_state(state, q_len)
+        elif q_len > 1 and valid is None and continues_at_once(cfg.sparse, slot.state):
+            # Several tokens on a cache (a new turn, a shared prompt's suffix): one product, not a step each.
+            out, state = hybrid_attention_continue(q, k, v, slot.state, *self.op_logits(),
+                                                   feature_map=self.op_feature_map(), formulation=cfg.formulation,
+                                                   sparse=cfg.sparse, log_decay=self.op_log_decay())
+            slot.set_state(state, q_len)
         else:
             fmap, (wl, ll), log_decay = self.op_feature_map(), self.op_logits(), self.op_log_decay()
             state, outs = slot.state, []

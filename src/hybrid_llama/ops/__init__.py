@@ -6,15 +6,17 @@ Public API (contract in docs/design.md, section "ops"):
   feature_map, key_padding_mask, output_final_state, sparse)``: the parallel (prefill / training)
   op; like every backend it returns ``(o, final_state)``, the state only when asked for.
 - ``hybrid_attention_step(q, k, v, state, window_logit, linear_logit, *, ...)``: one decode step.
+- ``hybrid_attention_continue(q, k, v, state, ...)``: several tokens continuing a state at once (the
+  chunked form with an initial state); ``continues_at_once`` says which states it takes.
 - ``prefill_state``, ``window_prompt_state``, ``init_state``, ``HybridState``: the recurrent state.
 - ``SparseCacheConfig``: the sparse cache's settings, taken by every path as they are.
 
 Layout, one folder per op, each with its naive reference, chunked form and recurrent step:
 
-- ``hybrid/``: the op without the cache (``reference``, ``chunked``, ``step``, and ``seed_naive``,
+- ``hybrid/``: the op without the cache (``reference``, ``chunked``, ``step``, ``continuation``, and ``seed_naive``,
   the published recreation's implementation kept as a benchmark baseline);
 - ``sparse/``: the op with the sparse cache (``config``, ``eviction``, ``reference``, ``chunked``,
-  ``batched``, ``step``, ``state``);
+  ``batched``, ``step``, ``continuation``, ``state``);
 - ``native/``: the CPU kernels (``cpu_kernels.h`` declares them once, ``cpu_kernels.c``, ``build``,
   ``bindings``) and the calls that use them (``prefill``, ``sparse_prefill``, ``step``,
   ``softmax_decode``);
@@ -35,7 +37,9 @@ from .dispatch import (
     SOFTMAX_PROMPT_BACKENDS,
     DeferredState,
     causal_softmax,
+    continues_at_once,
     hybrid_attention,
+    hybrid_attention_continue,
     hybrid_attention_step,
     is_softmax_prompt,
     layer_prompt,
@@ -53,6 +57,8 @@ from .state import HybridState, init_state, prefill_state, window_prompt_state
 __all__ = [
     "hybrid_attention",
     "hybrid_attention_step",
+    "hybrid_attention_continue",
+    "continues_at_once",
     "layer_prompt",
     "DeferredState",
     "causal_softmax",

@@ -22,12 +22,14 @@ from torch import Tensor
 
 from .feature_maps import FeatureMap, is_elu1, resolve_qk_maps
 from .gqa import expand_kv
+from .hybrid.continuation import hybrid_attention_continue_torch
 from .hybrid.reference import check_inputs, hybrid_attention_reference
 from .hybrid.step import hybrid_attention_step_torch
 from .native import prefill as native_prefill
 from .native import sparse_prefill as native_sparse_prefill
 from .native import step as native_step
 from .sparse import batched as sparse_batched
+from .sparse import continuation as sparse_continuation
 from .sparse.chunked import hybrid_attention_sparse
 from .sparse.config import SparseCacheConfig
 from .sparse.reference import hybrid_attention_sparse_reference
@@ -353,3 +355,37 @@ def hybrid_attention_step(
             except NotImplementedError as exc:
                 _fall_back("_step", f"{exc}")
     return hybrid_attention_step_torch(q, k, v, state, window_logit, linear_logit, inplace=inplace, **kwargs)
+
+
+def continues_at_once(sparse: SparseCacheConfig | None, state: HybridState) -> bool:
+    """Whether :func:`hybrid_attention_continue` takes a state with these cache settings (every new
+    key real; otherwise the layer steps token by token)."""
+    cache = sparse or NO_CACHE
+    if cache.active or state.sparse is not None:
+        return sparse_continuation.covers(cache, state)
+    return True
+
+
+def hybrid_attention_continue(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: HybridState,
+    window_logit: Tensor,
+    linear_logit: Tensor,
+    *,
+    feature_map: FeatureMap = "elu1",
+    formulation: str = "hybrid",
+    sparse: SparseCacheConfig | None = None,
+    log_decay: Tensor | None = None,
+) -> tuple[Tensor, HybridState]:
+    """L real tokens continuing a decode state at once: q ``[B, H, L, D]``, k/v ``[B, H_kv, L, D]``;
+    returns (out ``[B, H, L, D]``, the state after them), what L calls of :func:`hybrid_attention_step`
+    return (a cache continued by a new turn or by a shared prompt's suffixes). PyTorch ops, so any
+    device; ``continues_at_once`` tells which states it takes. The given state is left as it was."""
+    cache = (sparse or NO_CACHE).require_formulation(formulation)
+    if cache.active or state.sparse is not None:
+        return sparse_continuation.hybrid_attention_continue_sparse(
+            q, k, v, state, window_logit, linear_logit, cache=cache, feature_map=feature_map, log_decay=log_decay)
+    return hybrid_attention_continue_torch(q, k, v, state, window_logit, linear_logit, feature_map=feature_map,
+                                           formulation=formulation, log_decay=log_decay)

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..feature_maps import FeatureMap, resolve_qk_maps
 from ..hybrid.reference import combine, mixing_weights
 from ..hybrid.step import check_step_shapes
-from ..state import HybridState, aged_sums, empty_sparse_state, init_state
+from ..state import HybridState, SparseState, aged_sums, empty_sparse_state, init_state
 from .config import SparseCacheConfig
 from .eviction import close_block, fold_weights, gather_slots
 
@@ -86,20 +86,7 @@ def hybrid_attention_step_sparse(
             sp.pend_k, sp.pend_v = _put(sp.pend_k, slot, lk), _put(sp.pend_v, slot, lv)
             sp.pend_valid, sp.pend_acc = _put(sp.pend_valid, slot, lvalid), _put(sp.pend_acc, slot, lacc)
             if slot == w - 1:  # the block is complete: close it
-                first = s - (w - 1)
-                blk_pos = torch.arange(first, s + 1, device=q.device).view(1, 1, -1).expand(B, Hk, -1)
-                cand_k = torch.cat([sp.cache_k, sp.pend_k], 2)
-                cand_v = torch.cat([sp.cache_v, sp.pend_v], 2)
-                cand_ok = torch.cat([sp.cache_valid, sp.pend_valid[:, None].expand(B, Hk, w)], -1)
-                cand_pos = torch.cat([sp.cache_pos.clamp(min=0), blk_pos], -1)
-                cand_acc = torch.cat([sp.cache_acc, sp.pend_acc], -1)
-                keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, cand_acc, S, z, lam,
-                                             phi_k_map, fold_weights(log_decay, t, w, cand_pos))
-                sp.cache_k, sp.cache_v = gather_slots(cand_k, keep), gather_slots(cand_v, keep)
-                sp.cache_valid, sp.cache_acc = ok, cand_acc.gather(-1, keep)
-                sp.cache_pos = cand_pos.gather(-1, keep).masked_fill(~ok, -1)
-                sp.pend_valid = torch.zeros_like(sp.pend_valid)
-                sp.pend_acc = torch.zeros_like(sp.pend_acc)
+                S, z = close_pending_block(sp, S, z, t, w, cache, phi_k_map, log_decay)
     k_window = _put(state.k_window, ring, k[:, :, 0].to(state.k_window.dtype))
     v_window = _put(state.v_window, ring, v[:, :, 0].to(state.v_window.dtype))
     window_valid = _put(state.window_valid, ring, new_valid)
@@ -133,3 +120,26 @@ def hybrid_attention_step_sparse(
         sp.pend_acc = sp.pend_acc + weight[..., w + ns + lam :]
     sp.win_acc = win_acc
     return out.to(q.dtype), HybridState(k_window, v_window, window_valid, S, z, t + 1, sparse=sp)
+
+
+def close_pending_block(sp: SparseState, S: Tensor, z: Tensor, t: int, window: int, cache: SparseCacheConfig,
+                        phi_k_map, log_decay: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Close the full pending block at the step of position ``t`` (its last key, t - w, has just
+    left the ring): the cache and the block compete, ``sp``'s cache and pending fields are replaced
+    (never written into) and the losers fold into the returned S, z."""
+    B, Hk, w = sp.pend_k.shape[0], sp.pend_k.shape[1], window
+    s = t - w
+    blk_pos = torch.arange(s - (w - 1), s + 1, device=S.device).view(1, 1, -1).expand(B, Hk, -1)
+    cand_k = torch.cat([sp.cache_k, sp.pend_k], 2)
+    cand_v = torch.cat([sp.cache_v, sp.pend_v], 2)
+    cand_ok = torch.cat([sp.cache_valid, sp.pend_valid[:, None].expand(B, Hk, w)], -1)
+    cand_pos = torch.cat([sp.cache_pos.clamp(min=0), blk_pos], -1)
+    cand_acc = torch.cat([sp.cache_acc, sp.pend_acc], -1)
+    keep, ok, S, z = close_block(cache.score, cand_k, cand_v, cand_ok, cand_pos, cand_acc, S, z, cache.size,
+                                 phi_k_map, fold_weights(log_decay, t, w, cand_pos))
+    sp.cache_k, sp.cache_v = gather_slots(cand_k, keep), gather_slots(cand_v, keep)
+    sp.cache_valid, sp.cache_acc = ok, cand_acc.gather(-1, keep)
+    sp.cache_pos = cand_pos.gather(-1, keep).masked_fill(~ok, -1)
+    sp.pend_valid = torch.zeros_like(sp.pend_valid)
+    sp.pend_acc = torch.zeros_like(sp.pend_acc)
+    return S, z
