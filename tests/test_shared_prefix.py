@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from hybrid_llama.eval.shared_prefix import SharedPrefixLM, cache_kwarg, copy_cache, prefix_tree
+from hybrid_llama.eval.shared_prefix import MIN_SAVED, SharedPrefixLM, cache_kwarg, copy_cache, prefix_tree
 
 MAX_LENGTH = 96
 
@@ -102,30 +102,43 @@ def test_prefix_tree_groups_at_every_shared_level():
     from hybrid_llama.eval.shared_prefix import Row
 
     rng = random.Random(1)
-    pre, q1, q2, hint = _tokens(rng, 20), _tokens(rng, 20), _tokens(rng, 20), _tokens(rng, 20)
+    pre, q1, q2, hint = _tokens(rng, 20), _tokens(rng, 20), _tokens(rng, 20), _tokens(rng, 30)
     rows = [Row(tuple(pre + q1 + [1, 2]), 39), Row(tuple(pre + q1 + [3, 4]), 39),
-            Row(tuple(pre + q2 + hint + [5]), 60), Row(tuple(pre + q2 + hint + [6]), 60),
+            Row(tuple(pre + q2 + hint + [5]), 70), Row(tuple(pre + q2 + hint + [6]), 70),
             Row(tuple(pre + q2 + [7]), 40), Row(tuple(_tokens(rng, 30)), 20), Row(tuple(pre[:10] + q1), 25)]
-    nodes, single = prefix_tree(rows, min_shared=16)
+    nodes, single = prefix_tree(rows, min_shared=16, min_saved=0)
     assert [r.tokens for r in single] == sorted([rows[5].tokens, rows[6].tokens])
     (root,) = nodes
     assert root.tokens == tuple(pre) and root.rows == [] and root.size() == 5
     a, b = sorted(root.children, key=lambda n: n.tokens)
-    # q1's rows can share up to their first scored position (39), q2's hint rows up to 60 below q2's node
+    # q1's rows can share up to their first scored position (39), q2's hint rows up to 70 below q2's node
     assert {a.tokens, b.tokens} == {tuple(pre + q1[:19]), tuple(pre + q2)}
     q1_node, q2_node = (a, b) if a.tokens == tuple(pre + q1[:19]) else (b, a)
     assert len(q1_node.rows) == 2 and q1_node.children == []
     assert [r.tokens for r in q2_node.rows] == [rows[4].tokens]
     (hint_node,) = q2_node.children
     assert hint_node.tokens == tuple(pre + q2 + hint) and len(hint_node.rows) == 2
+    # nodes that save fewer tokens than min_saved dissolve: q1's (1 x 19 tokens) and q2's (2 x 20) into
+    # the preamble's node; the hint's saves 1 x 30 below q2's, 1 x 50 below the preamble's
+    nodes, single = prefix_tree(rows, min_shared=16, min_saved=35)
+    ((root,), (q2_node,)) = nodes, nodes[0].children
+    assert len(single) == 2 and len(root.rows) == 2 and q2_node.children == [] and len(q2_node.rows) == 3
+    nodes, single = prefix_tree(rows, min_shared=16, min_saved=45)
+    ((root,), (hint_node,)) = nodes, nodes[0].children
+    assert len(single) == 2 and len(root.rows) == 3 and hint_node.tokens == tuple(pre + q2 + hint)
+    nodes, single = prefix_tree(rows, min_shared=16, min_saved=51)  # the hint's node goes too
+    assert len(single) == 2 and nodes[0].children == [] and len(nodes[0].rows) == 5
+    nodes, single = prefix_tree(rows, min_shared=16, min_saved=81)  # and the preamble's (4 x 20)
+    assert nodes == [] and len(single) == 7
 
 
-def test_scores_equal_hflm_and_each_prefix_runs_once(tiny_model):
+@pytest.mark.parametrize("min_saved", [0, MIN_SAVED])  # every node (three levels) / the default's two
+def test_scores_equal_hflm_and_each_prefix_runs_once(tiny_model, min_saved):
     model, tok = tiny_model
     requests = _requests()
     ref = _hflm(model, tok, requests)
     seen = _count_forwards(model)
-    ours, lm = _score(SharedPrefixLM, model, tok, requests)
+    ours, lm = _score(SharedPrefixLM, model, tok, requests, min_saved=min_saved)
     _assert_same(ours, ref, 1e-4)
     # the cache hook hears every request once, with its own answer
     assert sorted(c[1] for c in lm.cache_hook.calls) == sorted(r[0] for r in requests)
@@ -140,18 +153,18 @@ def test_scores_equal_hflm_and_each_prefix_runs_once(tiny_model):
 
 
 def test_tokens_forwarded_are_each_prefix_once(tiny_model):
-    """Three questions after one 32-token preamble, four 3-token choices each: the preamble runs once,
-    each question's tokens once, and each choice only from its question's last token on."""
+    """Three 25-token questions after one 32-token preamble, four 3-token choices each: the preamble
+    runs once, each question's tokens once, and each choice only from its question's last token on."""
     model, tok = tiny_model
     rng = random.Random(2)
     pre = _tokens(rng, 32)
-    requests = [(("", ""), pre + q, _tokens(rng, 3)) for q in (_tokens(rng, 20) for _ in range(3)) for _ in range(4)]
+    requests = [(("", ""), pre + q, _tokens(rng, 3)) for q in (_tokens(rng, 25) for _ in range(3)) for _ in range(4)]
     seen = _count_forwards(model)
     lm = SharedPrefixLM(pretrained=model, tokenizer=tok, batch_size=4)
     lm._loglikelihood_tokens(requests)
-    # inputs are 54 tokens (52 context + 2 of the continuation), scored from position 51
-    assert sorted(seen) == sorted([(1, 32)] + [(1, 19)] * 3 + [(4, 3)] * 3)
-    assert sum(a * b for a, b in seen) == 32 + 3 * 19 + 3 * 4 * 3 < 12 * 54 / 5
+    # inputs are 59 tokens (57 context + 2 of the continuation), scored from position 56
+    assert sorted(seen) == sorted([(1, 32)] + [(1, 24)] * 3 + [(4, 3)] * 3)
+    assert sum(a * b for a, b in seen) == 32 + 3 * 24 + 3 * 4 * 3 < 12 * 59 / 5
 
 
 def test_cache_copies_are_independent(lively_dir):
@@ -176,16 +189,17 @@ def test_cache_copies_are_independent(lively_dir):
     torch.testing.assert_close(single, first[1:2], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("decay", [None, 0.95])
-def test_hybrid_scores_equal_hflm(lively_dir, decay):
+@pytest.mark.parametrize("decay,min_saved", [(None, 0), (0.95, 0), (None, MIN_SAVED)])
+def test_hybrid_scores_equal_hflm(lively_dir, decay, min_saved):
     """A hybrid model (window 4, the sparse cache with sinks, exact heads): prefixes and suffixes
-    cross the window and close sparse blocks."""
+    cross the window and close sparse blocks; with min_saved 0 every shared prefix is a node (a
+    question's context below the preamble, 17 tokens), so caches are continued and copied twice."""
     from test_exact_heads import hybrid
 
     model, tok = hybrid(lively_dir, sparse_cache=4, sinks=2, decay=decay)
     requests = _requests(seed=5, preamble=20, question=17)[:12]
     ref = _hflm(model, tok, requests)
-    ours, lm = _score(SharedPrefixLM, model, tok, requests)
+    ours, lm = _score(SharedPrefixLM, model, tok, requests, min_saved=min_saved)
     _assert_same(ours, ref, 1e-4)
     assert lm.stats["shared_requests"] >= 6
 

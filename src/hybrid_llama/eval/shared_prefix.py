@@ -25,6 +25,12 @@ batches from a copy of the node's cache expanded to the batch (``batch_repeat_in
 attention mask is needed since the model is causal and padding only follows real tokens. A forward
 mutates the cache it is given, so every forward gets its own copy. Rows that share no prefix with
 another (at the root) and requests truncated by ``max_length`` go through ``TailLogitsLM`` unchanged.
+
+Where sharing pays. A node costs a forward of its own, and its rows' batches are cut at its edges. A
+node is kept only where it saves enough tokens (``MIN_SAVED``: (its rows - 1) x its own tokens);
+otherwise its rows are scored from the prefix above it (at the root: by ``TailLogitsLM``, batched
+with the others) and its children are judged against that prefix. PIQA's two choices sharing a short
+question thus go through ``TailLogitsLM``, while an MMLU preamble always pays.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ from tqdm import tqdm
 from hybrid_llama.eval.tail_logits import PAD, TailLogitsLM
 
 MIN_SHARED = 16  # a node must share at least this many tokens beyond its parent's prefix
+# ... and save at least this many tokens of forward: (rows below it - 1) x its own tokens. A forward
+# costs about as much as 35 more tokens whatever its size (SmolLM2 base, bf16, one thread: 50 ms for
+# one token, +1.4 ms a token), and a node adds one forward and may split a batch.
+MIN_SAVED = 64
 DEFAULT_BATCH = 8  # suffixes per forward when lm-eval's batch size is 'auto'
 
 
@@ -95,11 +105,33 @@ def split(rows: list[Row], common: list[int], depth: int, min_shared: int) -> tu
     return nodes, single
 
 
-def prefix_tree(rows: list[Row], min_shared: int = MIN_SHARED) -> tuple[list[Node], list[Row]]:
-    """The shared-prefix nodes of ``rows`` and the rows that share with none (``split`` at depth 0)."""
+def prune(nodes: list[Node], depth: int, min_saved: int) -> tuple[list[Node], list[Row]]:
+    """(nodes kept, rows set loose) of ``nodes`` below a prefix of ``depth`` tokens: a node stays where
+    it saves ``min_saved`` tokens or more ((its rows - 1) x its tokens past ``depth``); one that does
+    not is dissolved, its rows scored from the prefix above and its children judged against it."""
+    kept: list[Node] = []
+    loose: list[Row] = []
+    for node in nodes:
+        if (node.size() - 1) * (len(node.tokens) - depth) >= min_saved:
+            node.children, rows = prune(node.children, len(node.tokens), min_saved)
+            node.rows += rows
+            kept.append(node)
+        else:
+            children, rows = prune(node.children, depth, min_saved)
+            kept += children
+            loose += node.rows + rows
+    return kept, loose
+
+
+def prefix_tree(rows: list[Row], min_shared: int = MIN_SHARED,
+                min_saved: int = MIN_SAVED) -> tuple[list[Node], list[Row]]:
+    """The shared-prefix nodes of ``rows`` and the rows that share with none (``split`` at depth 0, then
+    ``prune``)."""
     rows = sorted(rows, key=lambda r: r.tokens)
     common = [_common(a, b) for a, b in zip(rows, rows[1:])]
-    return split(rows, common, 0, min_shared)
+    nodes, single = split(rows, common, 0, min_shared)
+    nodes, loose = prune(nodes, 0, min_saved)
+    return nodes, single + loose
 
 
 def cache_kwarg(model) -> str:
@@ -128,11 +160,9 @@ def copy_cache(cache, batch: int = 1):
 class SharedPrefixLM(TailLogitsLM):
     """TailLogitsLM that runs the token prefixes requests share once per group (see the module doc)."""
 
-    min_shared = MIN_SHARED
-
-    def __init__(self, *args, min_shared: int = MIN_SHARED, **kwargs):
+    def __init__(self, *args, min_shared: int = MIN_SHARED, min_saved: int = MIN_SAVED, **kwargs):
         super().__init__(*args, **kwargs)
-        self.min_shared = min_shared
+        self.min_shared, self.min_saved = min_shared, min_saved
         self._cache_kw = cache_kwarg(self.model)
         # tokens through the model: prefixes, suffixes (padding included) and what went to the parent
         self.stats = {"prefix_tokens": 0, "suffix_tokens": 0, "shared_requests": 0, "plain_requests": 0}
@@ -149,7 +179,7 @@ class SharedPrefixLM(TailLogitsLM):
             row = rows.setdefault(inp, Row(inp, start))
             row.start = min(row.start, start)
             row.requests.append(i)
-        nodes, single = prefix_tree(list(rows.values()), self.min_shared)
+        nodes, single = prefix_tree(list(rows.values()), self.min_shared, self.min_saved)
         plain += [i for row in single for i in row.requests]
         plain.sort()
 
@@ -195,16 +225,23 @@ class SharedPrefixLM(TailLogitsLM):
             self._score_node(child, cache, depth, requests, results, batch, pbar)
         rows = sorted(node.rows, key=lambda r: -len(r.tokens))
         for b in range(0, len(rows), batch):
-            self._score_rows(rows[b:b + batch], cache, depth, requests, results, pbar)
+            last = b + batch >= len(rows)  # the cache's last use: expanded in place, not copied
+            self._score_rows(rows[b:b + batch], cache, depth, requests, results, pbar, own=last)
 
-    def _score_rows(self, rows: list[Row], cache, depth: int, requests, results, pbar) -> None:
-        """Score ``rows`` (which share their first ``depth`` tokens, held by ``cache``) in one forward."""
+    def _score_rows(self, rows: list[Row], cache, depth: int, requests, results, pbar, own: bool = False) -> None:
+        """Score ``rows`` (which share their first ``depth`` tokens, held by ``cache``) in one forward,
+        from a copy of ``cache`` or, ``own``, from ``cache`` itself."""
         width = max(len(r.tokens) for r in rows) - depth
         ids = torch.full((len(rows), width), PAD, dtype=torch.long)
         for k, row in enumerate(rows):
             ids[k, :len(row.tokens) - depth] = torch.tensor(row.tokens[depth:], dtype=torch.long)
         keep = width - min(r.start for r in rows) + depth
-        logits = self._forward(ids.to(self.device), copy_cache(cache, len(rows)), keep)
+        if own:
+            if len(rows) > 1:
+                cache.batch_repeat_interleave(len(rows))
+        else:
+            cache = copy_cache(cache, len(rows))
+        logits = self._forward(ids.to(self.device), cache, keep)
         self.stats["suffix_tokens"] += ids.numel()
         logprobs = F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
         first = width - keep  # the suffix position of logits[:, 0]
