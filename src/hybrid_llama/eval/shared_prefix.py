@@ -23,7 +23,8 @@ Scoring. A node's own tokens (past its parent's prefix) run once, batch 1, from 
 parent's cache (a fresh ``DynamicCache`` at the root). Its rows' suffixes then run in right-padded
 batches from a copy of the node's cache expanded to the batch (``batch_repeat_interleave``); no
 attention mask is needed since the model is causal and padding only follows real tokens. A forward
-mutates the cache it is given, so every forward gets its own copy. Rows that share no prefix with
+mutates the cache it is given, so every forward gets its own copy (``copy_cache``), but for a node's
+last batch, which expands the node's own cache in place. Rows that share no prefix with
 another (at the root) and requests truncated by ``max_length`` go through ``TailLogitsLM`` unchanged.
 
 Where sharing pays. A node costs a forward of its own, and its rows' batches are cut at its edges. A
