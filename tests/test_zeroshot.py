@@ -363,6 +363,7 @@ def test_zeroshot_jobs_are_base_and_the_named_variants_final_stages():
     assert every == [("base", "base"), ("w16", "transfer_lora"), ("lc16", "transfer_lora"), ("win16", "converted")]
     settings = p.zeroshot_settings()
     assert settings["limit"] == 2 and settings["shared_data"] == str(p.shared_data())
+    assert settings["share_prefixes"] is True  # the schema's default, passed to run_suite
     with pytest.raises(ConfigError, match=r"zeroshot\.variants\[0\]"):
         _pipeline(variants=["nope"]).check()
     q = _pipeline(source="local", tasks=["piqa"])

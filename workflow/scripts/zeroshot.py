@@ -17,6 +17,7 @@ result = run_suite(
     source=cfg["source"],
     shared_data=cfg["shared_data"],
     batch_size=cfg["batch_size"],
+    share_prefixes=cfg["share_prefixes"],
     device=device,
     dtype=cfg["dtype"],
     meta=meta,

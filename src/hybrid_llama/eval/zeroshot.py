@@ -140,16 +140,20 @@ def run_suite(
     source: str = "auto",
     shared_data: str = "auto",
     batch_size: int | str = 1,
+    share_prefixes: bool = False,
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     meta: dict | None = None,
 ) -> dict:
     """Evaluate ``model`` on the suite's ``tasks`` (suite keys, default all) through lm-eval and return
-    the result dict (``write_result``; docs/workflow.md lists its keys)."""
+    the result dict (``write_result``; docs/workflow.md lists its keys). ``share_prefixes`` scores the
+    requests with their shared token prefixes run once (``SharedPrefixLM``), else each request's whole
+    input (``TailLogitsLM``)."""
     import lm_eval
     import torch
     import transformers
 
+    from hybrid_llama.eval.shared_prefix import SharedPrefixLM
     from hybrid_llama.eval.tail_logits import TailLogitsLM
 
     tasks = list(tasks or SUITE)
@@ -168,7 +172,8 @@ def run_suite(
     if config is not None:
         config.use_cache = False
     try:
-        lm = TailLogitsLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm_class = SharedPrefixLM if share_prefixes else TailLogitsLM
+        lm = lm_class(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         started = datetime.now(timezone.utc)
         t0 = time.perf_counter()
         out = lm_eval.simple_evaluate(model=lm, tasks=top, samples=samples, log_samples=True,
@@ -206,6 +211,7 @@ def run_suite(
         "device": str(device),
         "device_name": device_name(device),
         "batch_size": batch_size,
+        "share_prefixes": bool(share_prefixes),
         "wall_time_s": wall,
         "started_utc": started.isoformat(timespec="seconds"),
         "meta": meta,

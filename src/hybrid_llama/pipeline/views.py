@@ -146,7 +146,7 @@ class Pipeline:
     def zeroshot_settings(self) -> dict:
         """Params of every zero-shot job: the sample, the lm-eval settings and where the data is."""
         cfg = self.config["zeroshot"]
-        keep = ("tasks", "limit", "seed", "batch_size", "dtype", "source")
+        keep = ("tasks", "limit", "seed", "batch_size", "dtype", "source", "share_prefixes")
         return canonical({**{k: cfg[k] for k in keep}, "shared_data": str(self.shared_data())})
 
     def zeroshot_slots(self) -> list[tuple[str, str]]:
