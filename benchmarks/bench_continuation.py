@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from hybrid_llama.eval.placement import cache_keyword
+from hybrid_llama.eval.shared_prefix import copy_cache
 from hybrid_llama.layers import hybrid_attention as layer_module
 from hybrid_llama.models import load_model
 
@@ -51,7 +52,7 @@ def main() -> None:
         model(prefix, use_cache=True, **{key: cache})
 
         def continued() -> torch.Tensor:
-            rows = _copy_of(cache, args.rows)
+            rows = copy_cache(cache, args.rows)
             return model(suffix, use_cache=True, **{key: rows}).logits
 
         def whole() -> torch.Tensor:
@@ -81,15 +82,6 @@ def main() -> None:
     for name, (med, lo, hi, out) in results.items():
         print(f"  {name:8s} median {med:.3f} s (min {lo:.3f}, max {hi:.3f}); "
               f"{results['whole'][0] / med:.2f}x whole; max |logit - whole| {(out - ref).abs().max():.3f}")
-
-
-def _copy_of(cache: DynamicCache, rows: int) -> DynamicCache:
-    """A cache of ``rows`` rows, each the prefix's, sharing no tensor with ``cache``."""
-    import copy
-
-    out = copy.deepcopy(cache)
-    out.batch_repeat_interleave(rows)
-    return out
 
 
 if __name__ == "__main__":

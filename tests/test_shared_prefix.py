@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from hybrid_llama.eval.shared_prefix import MIN_SAVED, SharedPrefixLM, cache_kwarg, copy_cache, prefix_tree
+from hybrid_llama.eval.placement import cache_keyword
+from hybrid_llama.eval.shared_prefix import MIN_SAVED, SharedPrefixLM, copy_cache, prefix_tree
 
 MAX_LENGTH = 96
 
@@ -176,7 +177,7 @@ def test_cache_copies_are_independent(lively_dir):
     model, _ = hybrid(lively_dir, sparse_cache=4, sinks=2)
     ids = torch.randint(3, 200, (1, 23), generator=torch.Generator().manual_seed(3))
     more = torch.randint(3, 200, (3, 6), generator=torch.Generator().manual_seed(4))
-    kw = cache_kwarg(model)
+    kw = cache_keyword(model)
     with torch.no_grad():
         full = model(torch.cat([ids.expand(3, -1), more], 1), use_cache=False).logits[:, -6:]
         cache = DynamicCache()

@@ -37,13 +37,13 @@ question thus go through ``TailLogitsLM``, while an MMLU preamble always pays.
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hybrid_llama.eval.placement import cache_keyword
 from hybrid_llama.eval.tail_logits import PAD, TailLogitsLM
 
 MIN_SHARED = 16  # a node must share at least this many tokens beyond its parent's prefix
@@ -135,12 +135,6 @@ def prefix_tree(rows: list[Row], min_shared: int = MIN_SHARED,
     return nodes, single + loose
 
 
-def cache_kwarg(model) -> str:
-    """The name ``model.forward`` takes its cache by: transformers >= 5.2x takes ``cache`` (and warns on
-    ``past_key_values``), earlier 5.x ``past_key_values`` only."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _materialize(cache) -> None:
     """Build any deferred hybrid prompt state (``HybridCacheLayer.state`` does it when read), so that a
     copy of the cache copies tensors only."""
@@ -164,7 +158,7 @@ class SharedPrefixLM(TailLogitsLM):
     def __init__(self, *args, min_shared: int = MIN_SHARED, min_saved: int = MIN_SAVED, **kwargs):
         super().__init__(*args, **kwargs)
         self.min_shared, self.min_saved = min_shared, min_saved
-        self._cache_kw = cache_kwarg(self.model)
+        self._cache_kw = cache_keyword(self.model)
         # tokens through the model: prefixes, suffixes (padding included) and what went to the parent
         self.stats = {"prefix_tokens": 0, "suffix_tokens": 0, "shared_requests": 0, "plain_requests": 0}
 
