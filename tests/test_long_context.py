@@ -263,7 +263,7 @@ def test_long_lengths_run_only_for_the_listed_slots():
     assert p.stage_quality_files("smollm2", rec, "cpu", "niah") == [
         "results/smollm2/base/quality/cpu/base/niah.csv", f"results/smollm2/{rec}/quality/cpu/transfer_lora/niah.csv"]
     books = p.stage_quality_files("smollm2", rec, "cpu", "books")
-    assert books[0].endswith("/base/quality/cpu/base/books.csv") and len(books) == 3  # base, the variant, control
+    assert books[0].endswith("/base/quality/cpu/base/books.csv") and len(books) == 2  # base, the variant
     inputs = p.report_inputs()["quality"]
     assert f"results/smollm2/{rec}/quality/cpu/niah.csv" in inputs
     assert "results/smollm2/seed/quality/cpu/niah.csv" not in inputs

@@ -362,6 +362,29 @@ def test_derived_variants_reuse_the_parents_artifacts():
     assert wf.component_stages("cache") == ["transfer_lora"]  # no diagnostic of the parent's transfer again
 
 
+def test_a_variant_with_no_stages_trains_only_as_a_parent():
+    """stages: [] (the default's lolcats_sparse_distill): its LoRA job still runs for the variant
+    derived from it, and nothing of its own is evaluated, tabled or exported."""
+    cfg = deep_merge(DERIVED, {})
+    cfg["variants"][2]["stages"] = []
+    cfg["variants"].append({"name": "heads", "from": "cache_ft", "hybrid": {"sinks": 1},
+                            "stages": ["transfer_lora"]})
+    wf = make(cfg)
+    assert wf.variant_stages("cache_ft") == [] and wf.variant_stages("heads") == ["transfer_lora"]
+    assert wf.lora_slots() == ["v", "cache_ft", "base_lora"]  # the adapter 'heads' evaluates
+    assert wf.stage_inputs("m", "heads", "transfer_lora")["adapter"] == path("adapter", model="m",
+                                                                             variant="cache_ft")
+    assert all(slot != "cache_ft" for slot, _ in wf.eval_slots())
+    assert wf.component_stages("cache_ft") == []
+    for kind in ("perplexity", "passkey", "components"):
+        assert wf.stage_quality_files("m", "cache_ft", "cpu", kind) == []
+    assert "cache_ft" not in dict(wf.export_slots()) and "heads" in dict(wf.export_slots())
+    inputs = wf.report_inputs()
+    # only its training's files: the adapter's metrics and loss curve
+    assert [f for group in inputs.values() for f in group if "/cache_ft/" in f] == [
+        path("plot_lora_loss", model="m", variant="cache_ft"), path("lora_metrics", model="m", variant="cache_ft")]
+
+
 @pytest.mark.parametrize("mutate,key,needle", [
     (lambda c: c["variants"][1].update({"from": "nope"}), "variants[cache].from", "no variant named 'nope'"),
     (lambda c: c["variants"][0].update({"from": "cache_ft"}), "variants[cache_ft].from", "cycle"),

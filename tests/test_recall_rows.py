@@ -343,7 +343,9 @@ def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them
 def _config(lora: dict, base_lora: dict | None = None) -> dict:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     next(v for v in cfg["variants"] if v["name"] == "lolcats")["lora"].update(lora)
-    cfg["base_lora"] = {**cfg.get("base_lora", {}), **(base_lora or {})}
+    if base_lora is not None:  # the default runs no base_lora stage: run it, so its section is checked
+        cfg["base_lora"] = {**cfg.get("base_lora", {}), **base_lora}
+        cfg["stages"] = [*cfg["stages"], "base_lora"]
     validate(cfg, str(SCHEMA_PATH))
     return cfg
 

@@ -542,11 +542,11 @@ def test_no_result_files_at_all_still_renders(tmp_path):
     html = write_report(tmp_path / "report.html", config=cfg, benchmarks_dir=tmp_path, repo_dir=tmp_path,
                         **none).read_text()
     table = headline(html)
-    assert list(table) == ["base", "base + LoRA (control)", "seed: hybrid after transfer + LoRA",
+    # the default's rows: no base_lora, and lolcats_sparse_distill trains only as the recommended one's parent
+    assert list(table) == ["base", "seed: hybrid after transfer + LoRA",
                            "lolcats: hybrid after transfer + LoRA", "window_only: hybrid as converted (no training)",
-                           "lolcats_sparse: hybrid after transfer + LoRA",
-                           "lolcats_sparse_distill: hybrid after transfer + LoRA",
                            "lolcats_retrieval: hybrid after transfer + LoRA"]
+    assert "none (trained as the parent of lolcats_retrieval)" in html
     assert all(text == "not measured" for cells in table.values() for text, _ in cells)
     assert len(next(iter(table.values()))) == 6 + 2  # MMLU: shots 0 and 5
     assert summary(html) == []

@@ -436,6 +436,8 @@ class Pipeline:
             shared, own = [], self.component_stages(variant)
         else:
             shared, own = [s for s in self.stages if s in SHARED_STAGES], self.variant_stages(variant)
+        if not own:  # a variant trained only as another's parent (stages: []) has no table
+            return []
         # a slot left with no length of a long-context kind runs no job of it, and a variant that runs
         # none has no table of it (base's rows are in the tables of the variants that do)
         if not long_context.quality_lens(self, kind, variant):

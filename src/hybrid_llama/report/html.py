@@ -78,6 +78,12 @@ def _existing(files: Iterable, missing: list[str]) -> list[Path]:
     return out
 
 
+
+def _stages_label(pipe: Pipeline, variant: str) -> list[str]:
+    """The stages the report lists for a variant; one with none trains only as others' parent."""
+    children = [c for c, spec in pipe.variants.items() if spec.get("from") == variant]
+    return pipe.variant_stages(variant) or [f"none (trained as the parent of {', '.join(children)})"]
+
 def build_context(
     *,
     config: dict,
@@ -201,7 +207,7 @@ def build_context(
                        for r in res.mmlu.values()}
     bench = benchmark_rows(benchmarks_dir)
     variants_cfg = [
-        {"name": v, "description": spec.get("description", ""), "stages": pipe.variant_stages(v),
+        {"name": v, "description": spec.get("description", ""), "stages": _stages_label(pipe, v),
          **{k: pipe.hybrid(v).get(k) for k in ("layers", "window", "formulation", "feature_map", "backend")},
          "transfer": spec.get("transfer") or {}, "lora": spec.get("lora") or {}}
         for v, spec in pipe.variants.items()
