@@ -452,6 +452,26 @@ def test_derived_variants_plan_no_training_of_their_own(wf_copy, tmp_path):
     assert "results/tiny/lc16/lora/adapter_model.safetensors" in evals
 
 
+def test_a_parent_with_no_stages_plans_its_training_and_nothing_of_its_own(wf_copy, tmp_path):
+    """stages: [] (the default's lolcats_sparse_distill): its LoRA job runs for the variant derived
+    from it; no job evaluates, tables, plots or exports it."""
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["variants"] += [
+        {"name": "lc16sd", "from": "lc16", "hybrid": {"sparse_cache": 4, "sinks": 1}, "lora": {}, "stages": []},
+        {"name": "lc16sdh", "from": "lc16sd", "hybrid": {"sinks": 2}, "stages": ["transfer_lora"]},
+    ]
+    file = tmp_path / "parent.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = planned_jobs(out.stdout)
+    assert ("lora", "results/tiny/lc16sd/lora/adapter_model.safetensors") in jobs
+    assert ("passkey", "results/tiny/lc16sdh/quality/cpu/transfer_lora/passkey.csv") in jobs
+    own = [(r, f) for r, f in jobs if "/lc16sd/" in (f or "")]
+    assert sorted(r for r, _ in own) == ["lora", "plot_lora_loss"], own
+    assert "results/tiny/lc16sd/quality" not in out.stdout
+
+
 # ------------------------------------------------------------------------------------------ whole DAG
 
 # The test config's model, device and variants: V has the seed recipe's shape, L is LoLCATs-shaped

@@ -80,7 +80,9 @@ rule retrieval_heads:
 
 rule plot_long_context:
     input:
-        books=lambda wildcards: P.book_tables(wildcards.model, wildcards.device),
+        books=lambda wildcards: P.quality_tables(
+            wildcards.model, wildcards.device, "books"
+        ),
     output:
         books=report(
             path("plot_books_nll"),

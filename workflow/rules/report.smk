@@ -94,15 +94,9 @@ rule plot_lora_loss:
 
 rule plot_quality:
     input:
-        perplexity=expand(
-            path("quality", kind="perplexity"), variant=VARIANTS, allow_missing=True
-        ),
-        passkey=expand(
-            path("quality", kind="passkey"), variant=VARIANTS, allow_missing=True
-        ),
-        components=expand(
-            path("quality", kind="components"), variant=VARIANTS, allow_missing=True
-        ),
+        perplexity=lambda w: P.quality_tables(w.model, w.device, "perplexity"),
+        passkey=lambda w: P.quality_tables(w.model, w.device, "passkey"),
+        components=lambda w: P.quality_tables(w.model, w.device, "components"),
     output:
         nll=report(
             path("plot_nll"),

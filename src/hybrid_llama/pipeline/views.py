@@ -304,10 +304,10 @@ class Pipeline:
     def hub_book_files(self) -> list[str]:
         return long_context.hub_book_files(self)
 
-    def book_tables(self, model: str, device: str) -> list[str]:
-        """The books NLL tables of the variants that have one (the books figure reads them)."""
-        return [path("quality", model=model, variant=v, device=device, kind="books") for v in self.variants
-                if self.stage_quality_files(model, v, device, "books")]
+    def quality_tables(self, model: str, device: str, kind: str) -> list[str]:
+        """The ``kind`` tables of the variants that have one (the figures read them)."""
+        return [path("quality", model=model, variant=v, device=device, kind=kind) for v in self.variants
+                if self.stage_quality_files(model, v, device, kind)]
 
     def section(self, *keys: str) -> Any:
         """A canonical copy of config[keys[0]][keys[1]]..., for a rule's params."""
@@ -460,7 +460,8 @@ class Pipeline:
         plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
         plots += [path(k, model=m, device=d) for m in m_ for d in d_
                   for k in ("plot_throughput", "plot_memory", "plot_nll", "plot_passkey", "plot_components")]
-        plots += [path("plot_books_nll", model=m, device=d) for m in m_ for d in d_ if self.book_tables(m, d)]
+        plots += [path("plot_books_nll", model=m, device=d) for m in m_ for d in d_
+                  if self.quality_tables(m, d, "books")]
         plots += [path("plot_transfer_loss", model=m, variant=v) for m in m_ for v in self.transfer_slots()]
         plots += [path("plot_lora_loss", model=m, variant=s) for m in m_ for s in self.lora_slots()]
         return {
