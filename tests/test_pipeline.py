@@ -391,6 +391,8 @@ def test_a_variant_with_no_stages_trains_only_as_a_parent():
     (lambda c: c["variants"][1]["hybrid"].update(window=32), "variants[cache].hybrid.window", "may change only"),
     (lambda c: c["variants"][0]["hybrid"].update(formulation="hybrid", feature_map="elu1"),
      "variants[cache].hybrid.sparse_cache", "formulation 'lolcats'"),
+    # stages: [] with no variant derived from it would run nothing
+    (lambda c: c["variants"][1].update(stages=[]), "variants[cache].stages", "no variant derives from it"),
 ])
 def test_derived_variant_errors_name_the_key(mutate, key, needle):
     cfg = resolved(DERIVED)

@@ -66,6 +66,7 @@ def check_config(p: Pipeline) -> None:
         _check_training(p, v)
         _check_sparse_cache(p, v)
         _check_softmax_heads(p, v)
+        _check_evaluated_or_parent(p, v)
 
     zeroshot = p.config["zeroshot"]
     if zeroshot["source"] == "local":
@@ -221,3 +222,12 @@ def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int 
             f"layer index {bad[0]} is beyond model '{model}', which has {n_layers} layers "
             f"(valid: 0..{n_layers - 1})",
         )
+
+
+def _check_evaluated_or_parent(p: Pipeline, variant: str) -> None:
+    """A variant with ``stages: []`` runs only for the variants derived from it; with none, it
+    would run nothing at all, which is a config mistake rather than a choice."""
+    if p.variant_stages(variant) or any(spec.get("from") == variant for spec in p.variants.values()):
+        return
+    raise ConfigError(f"variants[{variant}].stages",
+                      "[] evaluates nothing and no variant derives from it ('from'), so nothing would run")
