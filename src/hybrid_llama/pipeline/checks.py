@@ -227,7 +227,7 @@ def _check_layers(key: str, layers: list[int] | None, model: str, n_layers: int 
 def _check_evaluated_or_parent(p: Pipeline, variant: str) -> None:
     """A variant with ``stages: []`` runs only for the variants derived from it; with none, it
     would run nothing at all, which is a config mistake rather than a choice."""
-    if p.variant_stages(variant) or any(spec.get("from") == variant for spec in p.variants.values()):
+    if p.variant_stages(variant) or p.derived_from(variant):
         return
     raise ConfigError(f"variants[{variant}].stages",
                       "[] evaluates nothing and no variant derives from it ('from'), so nothing would run")

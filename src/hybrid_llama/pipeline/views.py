@@ -264,6 +264,10 @@ class Pipeline:
         wanted = own if own is not None else [s for s in self.stages if s in VARIANT_STAGES]
         return [s for s in VARIANT_STAGES if s in wanted]
 
+    def derived_from(self, variant: str) -> list[str]:
+        """The variants whose 'from' names ``variant``."""
+        return [v for v, spec in self.variants.items() if spec.get("from") == variant]
+
     def trained(self, variant: str, stage: str) -> bool:
         """Whether the variant's models at ``stage`` are needed (evaluated, or built upon)."""
         return stage in self.variant_stages(variant) or (

@@ -80,8 +80,7 @@ def _existing(files: Iterable, missing: list[str]) -> list[Path]:
 
 def _stages_label(pipe: Pipeline, variant: str) -> list[str]:
     """The stages the report lists for a variant; one with none trains only as others' parent."""
-    children = [c for c, spec in pipe.variants.items() if spec.get("from") == variant]
-    return pipe.variant_stages(variant) or [f"none (trained as the parent of {', '.join(children)})"]
+    return pipe.variant_stages(variant) or [f"none (trained as the parent of {', '.join(pipe.derived_from(variant))})"]
 
 
 def build_context(
