@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement the project wants, in calls that fit a 15-minute GPU lease: the GPU tests, the
 # default run's recipe on its model's architecture, the layer benchmark, then the smaller triton tests.
-# Each step has its own cap (TESTS_S / MODEL_S / LAYER_S / DECAY_S / MODEL1B_S / REST_S seconds) and a
+# Each step has its own cap (TESTS_S / SPARSE_S / MODEL_S / LAYER_S / DECAY_S / MODEL1B_S / REST_S s) and a
 # failing step does not stop the next. Runs from the repo root with the machine's own python3 (torch,
 # triton, transformers, peft, pandas, safetensors, tokenizers, pytest preinstalled; nothing is
 # installed). tests/test_gpu.py trains on fineweb-edu rows: point HYBRID_LLAMA_SHARED_DATA at a copy
@@ -9,13 +9,13 @@
 # to $OUT (default results/gpu/); copy the numbers into docs/triton.md with the device line from
 # versions.txt.
 #
-#   bash benchmarks/gpu_session.sh                          # tests, model (docs/triton.md: their times)
+#   bash benchmarks/gpu_session.sh                          # tests, sparse, model (docs/triton.md)
 #   STEPS="layer decay" bash benchmarks/gpu_session.sh      # the layer benchmark, the decay's small tests
 #   STEPS="model1b rest" bash benchmarks/gpu_session.sh     # Llama-3.2-1B's architecture; all small tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
-STEPS=${STEPS:-"tests model"}
+STEPS=${STEPS:-"tests sparse model"}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -42,6 +42,8 @@ for step in $STEPS; do
     tests) # the @pytest.mark.gpu tests: kernels in bf16 at T=4096 and 32768 (with and without the decay),
            # fp32 grads, decode, Hedgehog pair; the recipe's model and both training stages against the CPU
         run tests gpu_tests.log "${TESTS_S:-240}" "$PY" -m pytest "${pytest_args[@]}" tests/test_gpu.py -m gpu ;;
+    sparse) # the sparse cache's eviction plan: its interpreter-sized tests, compiled for the GPU
+        run sparse sparse_tests.log "${SPARSE_S:-120}" "$PY" -m pytest "${pytest_args[@]}" -m "not gpu" -k sparse ;;
     model) # the default run's recommended variant (lolcats_retrieval) on SmolLM2-135M's architecture with
            # random weights: without (hybrid_triton) and with (sparse_triton) its sparse cache; prefill to
            # 8192 (its positions), decode at batch 16 with 8192 tokens of context
@@ -64,7 +66,7 @@ for step in $STEPS; do
             --json "$OUT/bench_model_1b.json" --csv "$OUT/throughput_gpu_1b.csv" ;;
     rest) # the interpreter-sized tests, compiled for the GPU
         run rest rest_tests.log "${REST_S:-300}" "$PY" -m pytest "${pytest_args[@]}" -m "not gpu" ;;
-    *) echo "unknown step $step (want tests, model, layer, decay, model1b, rest)"; status=2 ;;
+    *) echo "unknown step $step (want tests, sparse, model, layer, decay, model1b, rest)"; status=2 ;;
     esac
 done
 exit $status

@@ -40,7 +40,7 @@ def recommended(model_dir, **overrides):
 
 @pytest.fixture
 def triton_calls(monkeypatch):
-    """The triton entry points the dispatcher handed out (its prompt path without a sparse cache)."""
+    """The triton entry points the dispatcher handed out."""
     taken = []
 
     def spy(module, attr):
@@ -54,7 +54,8 @@ def triton_calls(monkeypatch):
     return taken
 
 
-# With the sparse cache the prompt takes torch's sparse path on CUDA; without it, the triton kernels.
+# With the sparse cache the prompt takes the batched sparse op on the triton eviction plan on CUDA;
+# without it, the triton prefill kernels.
 @pytest.mark.parametrize("sparse", [4, 0])
 def test_logits_and_generation_match_the_cpu(lively_dir, sparse, triton_calls):
     model, tok = recommended(lively_dir, sparse_cache=sparse, sinks=2 if sparse else 0)
@@ -65,7 +66,8 @@ def test_logits_and_generation_match_the_cpu(lively_dir, sparse, triton_calls):
         got = on_device(ids.to(DEVICE), use_cache=False).logits.cpu()
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     if DEVICE == "cuda":
-        assert bool(triton_calls) is (not sparse)
+        assert ("plan_evictions_triton" in triton_calls) is bool(sparse)
+        assert ("hybrid_attention_triton" in triton_calls) is (not sparse)
     enc = tok(["the recipe on the device generates as on the cpu"], return_tensors="pt")
     cached = assert_cached_generation_equals_uncached(on_device, {k: v.to(DEVICE) for k, v in enc.items()}, 30)
     cpu = assert_cached_generation_equals_uncached(model, enc, 30)

@@ -762,3 +762,156 @@ def test_gpu_decode_bf16_hedgehog_pair_matches_torch_step():
         o_t, new_t = hybrid_attention_step_torch(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], st, wl, ll, feature_map=pair)
     torch.testing.assert_close(o.float(), o_t.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(new.S, new_t.S, atol=1e-3, rtol=1e-3)
+
+
+# ------------------------------------------------------------------- the sparse cache's eviction plan
+
+PLAN_CASES = [  # B, Hk, T, D, window, size, sinks, score, decay, map
+    (2, 2, 203, 16, 8, 16, 0, "sre", True, "elu1"),
+    (1, 2, 150, 16, 8, 8, 3, "random", False, "elu1"),
+    (1, 3, 170, 16, 16, 16, 4, "sre", True, "hedgehog"),  # F = 2 D
+    (2, 1, 100, 32, 8, 24, 2, "sre", False, "hedgehog"),  # λ + w = 32 candidates, no padding slots
+    (1, 2, 139, 16, 8, 4, 2, "random", True, "elu1"),  # ends on a close's position
+    (1, 2, 10, 16, 8, 4, 2, "sre", False, "elu1"),  # one group, no close
+]
+
+
+@pytest.mark.parametrize("B,Hk,T,D,window,size,sinks,score,decay,kind", PLAN_CASES)
+def test_sparse_plan_matches_the_torch_plan(B, Hk, T, D, window, size, sinks, score, decay, kind):
+    """The triton plan decides every close as ``plan_evictions`` does: the same cache per group (empty
+    slots included), the same folds, and the same sums."""
+    from hybrid_llama.ops import SparseCacheConfig
+    from hybrid_llama.ops.feature_maps import resolve_qk_maps
+    from hybrid_llama.ops.sparse.batched import plan_evictions
+    from hybrid_llama.ops.triton.sparse_plan import plan_evictions_triton
+
+    g = torch.Generator().manual_seed(T)
+    k, v = torch.randn(B, Hk, T, D, generator=g), torch.randn(B, Hk, T, D, generator=g)
+    phi_k = HedgehogFeatureMap(Hk, D) if kind == "hedgehog" else resolve_qk_maps("elu1")[1]
+    if kind == "hedgehog":
+        with torch.no_grad():
+            phi_k.weight.add_(0.3 * torch.randn(phi_k.weight.shape, generator=g))
+    log_decay = -0.05 * torch.rand(Hk, generator=g) if decay else None
+    cache = SparseCacheConfig(size, sinks, score)
+    want = plan_evictions(k, v, T, window, cache, phi_k, log_decay)
+    got = plan_evictions_triton(k.to(DEV), v.to(DEV), T, window, cache, phi_k.to(DEV) if kind == "hedgehog" else phi_k,
+                                None if log_decay is None else log_decay.to(DEV))
+    for name in ("cache_pos", "cache_ok", "fold_pos", "fold_ok", "final_pos", "final_ok"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    torch.testing.assert_close(got.S.cpu(), want.S, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.z.cpu(), want.z, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_plan_breaks_ties_toward_the_earlier_key():
+    """Keys and values repeat with period 3, so the sre scores come in exact ties; the torch plan
+    keeps the earlier key of a tie (its stable sort), and so must the kernel."""
+    from hybrid_llama.ops import SparseCacheConfig
+    from hybrid_llama.ops.feature_maps import resolve_qk_maps
+    from hybrid_llama.ops.sparse.batched import plan_evictions
+    from hybrid_llama.ops.triton.sparse_plan import plan_evictions_triton
+
+    g = torch.Generator().manual_seed(5)
+    period = torch.arange(120) % 3
+    k, v = (torch.randn(1, 2, 3, 16, generator=g)[:, :, period] for _ in range(2))
+    cache = SparseCacheConfig(8, 2, "sre")
+    phi_k = resolve_qk_maps("elu1")[1]
+    want = plan_evictions(k, v, 120, 8, cache, phi_k)
+    got = plan_evictions_triton(k.to(DEV), v.to(DEV), 120, 8, cache, phi_k)
+    assert torch.equal(got.cache_pos.cpu(), want.cache_pos) and torch.equal(got.fold_pos.cpu(), want.fold_pos)
+
+
+@pytest.fixture
+def triton_plans(monkeypatch):
+    """How many times the dispatcher's sparse path ran the triton plan."""
+    from hybrid_llama.ops.triton import sparse_plan
+
+    calls = []
+    real = sparse_plan.plan_evictions_triton
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_plan, "plan_evictions_triton", spy)
+    return calls
+
+
+@pytest.mark.parametrize("T,w,size,sinks,score", [(70, 8, 6, 2, "sre"), (61, 8, 5, 3, "random"), (88, 8, 8, 0, "sre")])
+def test_sparse_op_on_the_triton_plan_matches_naive(T, w, size, sinks, score, triton_plans):
+    """``hybrid_attention(backend="triton")`` with a sparse cache: the batched op on the triton plan
+    against the naive per-query transcription, and the same decode state as the chunked backend."""
+    from test_sparse_cache import _same_sparse_state, make, naive_sparse
+
+    from hybrid_llama.ops import SparseCacheConfig
+
+    q, k, v, wl, ll = make(T=T, D=16)
+    want = naive_sparse(q, k, v, wl, ll, window=w, size=size, sinks=sinks, score=score)
+    kw = dict(window=w, formulation="lolcats", sparse=SparseCacheConfig(size, sinks, score), output_final_state=True)
+    got, state = hybrid_attention(*(x.to(DEV) for x in (q, k, v, wl, ll)), backend="triton", **kw)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+    assert triton_plans == [T]
+    with torch.no_grad():
+        _, cpu_state = hybrid_attention(q, k, v, wl, ll, backend="chunked", **kw)
+    _same_sparse_state(state.to("cpu"), cpu_state)
+
+
+def test_sparse_recipe_on_the_triton_plan_matches_chunked(triton_plans):
+    """The default run's layer (GQA, a Hedgehog pair, a decaying state, sinks) with the triton plan:
+    outputs and gradients of the maps and the decay as the chunked backend's torch path."""
+    from hybrid_llama.ops import SparseCacheConfig
+
+    B, H, HKV, T, D, w = 1, 4, 2, 150, 16, 8
+    q, k, v, wl, ll = make_inputs(B, H, HKV, T, D, torch.float32, seed=31)
+    pair = make_feature_map("pair", H, HKV, D, None, seed=31)
+    log_decay = torch.log(torch.tensor([0.97, 0.995], device=DEV)).requires_grad_()
+    kw = dict(window=w, formulation="lolcats", feature_map=pair, sparse=SparseCacheConfig(8, 4, "sre"),
+              log_decay=log_decay)
+    out = hybrid_attention(q, k, v, wl, ll, backend="triton", **kw)[0]
+    ref = hybrid_attention(q, k, v, wl, ll, backend="torch", **kw)[0]
+    assert triton_plans == [T]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    params = [log_decay, *map_params(pair)]
+    for got, want in zip(torch.autograd.grad(out.square().sum(), params),
+                         torch.autograd.grad(ref.square().sum(), params)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_triton_refuses_what_the_plan_does_not_cover():
+    """``backend="triton"`` says what its sparse path does not take instead of running torch's."""
+    from hybrid_llama.ops import SparseCacheConfig
+
+    q, k, v, wl, ll = make_inputs(1, 2, 2, 40, 16, torch.float32, seed=7)
+    for sparse, mask in ((SparseCacheConfig(4, 2, "attention"), None),
+                         (SparseCacheConfig(4, 2, "sre"), torch.ones(1, 40, dtype=torch.bool, device=DEV))):
+        with pytest.raises(NotImplementedError, match="eviction plan"):
+            hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", backend="triton", sparse=sparse,
+                             key_padding_mask=mask)
+    q, k, v, wl, ll = make_inputs(1, 2, 2, 40, 8, torch.float32, seed=7)  # D = 8: too narrow for tl.dot
+    with pytest.raises(NotImplementedError, match="eviction plan"):
+        hybrid_attention(q, k, v, wl, ll, window=8, formulation="lolcats", backend="triton",
+                         sparse=SparseCacheConfig(4, 2, "sre"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_sparse_plan_at_the_recipes_size():
+    """The default run's layer at 4096 tokens on the GPU (9 heads of Hedgehog keys, F = 128, λ = 128,
+    w = 64, 4 sinks, a decay): the triton plan keeps the torch plan's keys but for near-ties, and the
+    batched op on it gives the torch plan's output."""
+    from hybrid_llama.ops import SparseCacheConfig
+    from hybrid_llama.ops.sparse.batched import hybrid_attention_sparse_batched, plan_evictions
+    from hybrid_llama.ops.triton.sparse_plan import plan_evictions_triton
+
+    H, T, D = 9, 4096, 64
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(1, H, H, T, D, torch.float32, seed=41))
+    phi_k = make_hedgehog(H, D, None, 41)
+    log_decay = torch.log(torch.full((H,), 0.9995, device=DEV))
+    cache = SparseCacheConfig(128, 4, "sre")
+    want = plan_evictions(k, v, T, 64, cache, phi_k, log_decay)
+    got = plan_evictions_triton(k, v, T, 64, cache, phi_k, log_decay)
+    assert (got.cache_pos == want.cache_pos).float().mean() > 0.999
+    with torch.no_grad():
+        kw = dict(window=64, cache=cache, feature_map=(make_hedgehog(H, D, None, 42), phi_k), log_decay=log_decay)
+        out = hybrid_attention_sparse_batched(q, k, v, wl, ll, planner=plan_evictions_triton, **kw)[0]
+        ref = hybrid_attention_sparse_batched(q, k, v, wl, ll, **kw)[0]
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)

@@ -93,8 +93,8 @@ def hybrid_attention(
     """Hybrid attention: q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]`` (GQA, H % H_kv == 0, or H_kv = H).
 
     ``sparse`` adds the third memory, the sparse cache (``ops.sparse``; ``lolcats`` formulation
-    only); None, or a config with neither keys nor sinks, leaves the op as it is. Its triton path
-    falls back to torch, and says so.
+    only); None, or a config with neither keys nor sinks, leaves the op as it is. On CUDA the batched
+    torch op runs it with its evictions planned by a triton kernel (``ops.triton.sparse_plan``).
 
     Returns ``(o, final_state)``: o ``[B, H, T, D]`` in q's dtype, and with ``output_final_state``
     the ``HybridState`` after the T tokens (what ``hybrid_attention_step`` continues from), else
@@ -104,8 +104,8 @@ def hybrid_attention(
     ``log_decay`` ``[H_kv]``: log gamma <= 0 per KV head, a linear state that decays by gamma per
     position (``hybrid.reference_parts``); None keeps it undecayed. The torch backends (reference,
     chunked, and the sparse cache's reference, loop and batched paths), the native CPU kernels (with
-    and without the sparse cache) and the triton kernels (without a sparse cache, which triton has
-    no kernel for) compute it; ``seed_naive`` refuses it."""
+    and without the sparse cache) and the triton kernels (the eviction plan's too) compute it;
+    ``seed_naive`` refuses it."""
     kwargs = dict(window=window, formulation=formulation, feature_map=feature_map, key_padding_mask=key_padding_mask,
                   output_final_state=output_final_state)
     _check_backend(backend)
@@ -244,7 +244,9 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
                                                     log_decay=log_decay, **kwargs)
         return o, None
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        _fall_back("", "the triton kernels have no sparse cache")
+        done = _sparse_on_triton(q, k, v, window_logit, linear_logit, cache, backend, log_decay=log_decay, **kwargs)
+        if done is not None:
+            return done
     if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
             and native_sparse_prefill.covers(q, cache, kwargs["key_padding_mask"])):
         done = native_sparse_prefill.hybrid_attention_sparse_cpu(
@@ -257,6 +259,31 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
             q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
             feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
     return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, log_decay=log_decay, **kwargs)
+
+
+def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, *,
+                      log_decay: Tensor | None, **kwargs):
+    """The batched sparse op with its evictions planned by the triton kernel, or None where that does
+    not apply (said once; ``backend='triton'`` raises instead)."""
+    if not sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
+        why = "the triton eviction plan takes no padding mask, no 'attention' score and no shares"
+        if backend == "triton":
+            raise NotImplementedError(why)
+        _fall_back("", why)
+        return None
+    planner = _triton_or_fallback("sparse_plan", "plan_evictions_triton", backend, "")
+    if planner is None:
+        return None
+    try:
+        return sparse_batched.hybrid_attention_sparse_batched(
+            q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
+            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay,
+            planner=planner)
+    except NotImplementedError as exc:  # widths the kernel does not take
+        if backend == "triton":
+            raise
+        _fall_back("", f"{exc}")
+        return None
 
 
 def takes_native_step(backend: str, sparse: SparseCacheConfig) -> bool:

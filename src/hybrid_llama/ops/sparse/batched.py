@@ -29,6 +29,7 @@ offset in the group).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +151,13 @@ def hybrid_attention_sparse_batched(
     feature_map: FeatureMap = "elu1",
     output_final_state: bool = False,
     log_decay: Tensor | None = None,
+    planner: Callable[..., Evictions] | None = None,
 ) -> tuple[Tensor, HybridState | None]:
     """``(o, final_state)`` of the sparse-cache op (``lolcats`` formulation, no padding, the ``sre`` or
     ``random`` score): q ``[B, H, T, D]``, k/v ``[B, H_kv, T, D]``; what ``hybrid_attention_sparse``
-    returns, with autograd through the attention, the folds, the feature maps and ``log_decay``."""
+    returns, with autograd through the attention, the folds, the feature maps and ``log_decay``.
+    ``planner``: what computes the evictions, :func:`plan_evictions` or its triton kernel
+    (``ops.triton.sparse_plan``), which takes the same arguments."""
     if k.shape[1] != q.shape[1] and keys_need_query_heads(feature_map):
         k, v = expand_kv(q, k, v)
         if log_decay is not None:
@@ -167,8 +171,8 @@ def hybrid_attention_sparse_batched(
     # Before the first group every earlier key is exact (no block has closed): causal softmax.
     head = F.scaled_dot_product_attention(qf[:, :, :p0], kf[:, :, :p0], vf[:, :, :p0], is_causal=True,
                                           enable_gqa=g > 1)
-    plan = (plan_evictions(kf.detach(), vf.detach(), T, w, cache, phi_k_map,
-                           None if log_decay is None else log_decay.detach())
+    plan = ((planner or plan_evictions)(kf.detach(), vf.detach(), T, w, cache, phi_k_map,
+                                        None if log_decay is None else log_decay.detach())
             if T > p0 or output_final_state else None)
     lam = None if log_decay is None else log_decay.float()
     outs = [head]
