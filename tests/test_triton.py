@@ -892,6 +892,39 @@ def test_sparse_triton_refuses_what_the_plan_does_not_cover():
                          sparse=SparseCacheConfig(4, 2, "sre"))
 
 
+def test_hybrid_llama_with_a_sparse_cache_on_the_triton_plan(lively_dir, triton_plans):
+    """The recipe's hybrid layers (lolcats, a Hedgehog pair, a decay, a sparse cache with sinks) in the
+    tiny Llama on ``backend="triton"``: the prompt runs on the triton plan and gives the chunked
+    backend's logits and parameter gradients, and cached greedy generation equals uncached."""
+    from test_models import assert_cached_generation_equals_uncached, randomize_hybrid_params
+
+    from hybrid_llama.models import convert_to_hybrid, load_model
+
+    recipe = dict(window=4, formulation="lolcats", feature_map="hedgehog", decay=0.99, sparse_cache=4, sinks=2)
+    models = {}
+    for backend in ("triton", "chunked"):
+        model, _ = load_model(lively_dir, dtype=torch.float32)
+        convert_to_hybrid(model, [0, 2], backend=backend, **recipe)
+        randomize_hybrid_params(model)
+        models[backend] = model.to(DEV)
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(0)).to(DEV)
+    logits, grads = {}, {}
+    for backend, model in models.items():
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        logits[backend] = out.logits.detach()
+        grads[backend] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "self_attn" in n}
+    assert len(triton_plans) == 2  # both hybrid layers' prompts
+    torch.testing.assert_close(logits["triton"], logits["chunked"], atol=1e-4, rtol=1e-4)
+    assert grads["triton"].keys() == grads["chunked"].keys()
+    assert any("decay" in n for n in grads["triton"]) and any("feature_map" in n for n in grads["triton"])
+    for name, g in grads["triton"].items():
+        torch.testing.assert_close(g, grads["chunked"][name], atol=1e-4, rtol=1e-3, msg=name)
+    models["triton"].eval()
+    enc = {"input_ids": ids[:, :40], "attention_mask": torch.ones_like(ids[:, :40])}
+    assert_cached_generation_equals_uncached(models["triton"], enc, 12)
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_sparse_plan_at_the_recipes_size():
