@@ -13,8 +13,8 @@ registers:
 2. each gets its score, ``sre`` (``|v - phi(k) S / (phi(k) z + eps)|``) or ``random`` (the same
    integer hash as ``eviction.random_scores``), -inf where the slot is empty;
 3. a candidate's rank is the number that beat it (higher score, or an equal score at an earlier
-   slot, as the stable sort of ``close_block``); the λ best stay, in position order, the empty
-   ones last;
+   slot, as the stable sort of ``close_block``), counted a block of columns at a time; the λ best
+   stay, in position order, the empty ones last;
 4. the others fold into ``S, z`` at their weight (gamma^(age) with a decay), and their positions are
    recorded in position order for the batched pass.
 
@@ -51,10 +51,10 @@ def _random_score(pos, head):
 @triton.jit
 def _plan_kernel(
     fk_ptr, v_ptr, lam_ptr,
-    cpos_ptr, cok_ptr, fpos_ptr, fok_ptr, s_ptr, z_ptr,
+    cpos_ptr, cok_ptr, fpos_ptr, fok_ptr, s_ptr, z_ptr, score_ptr,
     HKV, n_keys, n_closes, sinks, eps,
     W: tl.constexpr, LAM: tl.constexpr, C: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
-    SRE: tl.constexpr, DECAY: tl.constexpr,
+    RANK_BLOCK: tl.constexpr, SRE: tl.constexpr, DECAY: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     hk = bh % HKV
@@ -93,9 +93,16 @@ def _plan_kernel(
             score = _random_score(pos, hk)
         score = tl.where(valid, score, float("-inf"))
         # Rank = how many beat it: a higher score, or the same score at an earlier slot (stable sort).
-        s_i, s_j = score[:, None], score[None, :]
-        beaten = (s_j > s_i) | ((s_j == s_i) & (c[None, :] < c[:, None]))
-        rank = tl.sum(beaten.to(tl.int32), axis=1)
+        # The C x C comparison runs RANK_BLOCK columns at a time, read back from a scratch row, so
+        # it never holds C^2 flags in registers.
+        tl.store(score_ptr + bh * C + c, score)
+        tl.debug_barrier()
+        rank = tl.zeros([C], dtype=tl.int32)
+        for j0 in tl.static_range(0, C, RANK_BLOCK):
+            cj = j0 + tl.arange(0, RANK_BLOCK)
+            s_j = tl.load(score_ptr + bh * C + cj)[None, :]
+            beaten = (s_j > score[:, None]) | ((s_j == score[:, None]) & (cj[None, :] < c[:, None]))
+            rank += tl.sum(beaten.to(tl.int32), axis=1)
         keep = (rank < LAM) & real
         # The new cache in position order (candidates already are), its empty slots last.
         kept_valid = keep & valid
@@ -122,7 +129,7 @@ def _plan_kernel(
         fk_in = fk * weight[:, None]
         S += tl.dot(tl.trans(fk_in), vv, input_precision="ieee")
         z += tl.sum(fk_in, axis=0)
-        tl.debug_barrier()  # the next close reads the cache this one wrote
+        tl.debug_barrier()  # the next close reads the cache this one wrote, and rewrites the scores
     tl.store(s_ptr + bh * F * D + f[:, None] * D + d[None, :], S)
     tl.store(z_ptr + bh * F + f, z)
 
@@ -145,7 +152,8 @@ def plan_evictions_triton(k: Tensor, v: Tensor, T: int, window: int, cache, phi_
     n_closes = max(-(-(T - first_group_start(w, ns)) // w) - 1, 0)  # one fewer than the groups
     G = n_closes + 1  # the cache each group reads; the first reads an empty one
     n_keys = ns + n_closes * w  # every key a close can see: the sinks' and the closed blocks'
-    fk = phi_k(k[:, :, :max(n_keys, 1)].float()).contiguous()
+    # fp32 features whatever dtype the map returns: the kernel's dots take one dtype.
+    fk = phi_k(k[:, :, :max(n_keys, 1)].float()).float().contiguous()
     F = fk.shape[-1]
     if not covers(cache.score, F, D):
         raise NotImplementedError(f"the triton eviction plan covers the {SCORES} scores and power-of-two widths "
@@ -158,11 +166,13 @@ def plan_evictions_triton(k: Tensor, v: Tensor, T: int, window: int, cache, phi_
     S = torch.zeros(B, Hk, F, D, dtype=torch.float32, device=dev)
     z = torch.zeros(B, Hk, F, dtype=torch.float32, device=dev)
     if n_closes:
+        C = max(16, triton.next_power_of_2(lam + w))
+        scores = torch.empty(B * Hk, C, dtype=torch.float32, device=dev)
         lam_kv = (log_decay.float() if log_decay is not None else torch.zeros(Hk, device=dev)).contiguous()
         _plan_kernel[(B * Hk,)](
-            fk, v[:, :, :n_keys].float().contiguous(), lam_kv, cache_pos, cache_ok, fold_pos, fold_ok, S, z,
+            fk, v[:, :, :n_keys].float().contiguous(), lam_kv, cache_pos, cache_ok, fold_pos, fold_ok, S, z, scores,
             Hk, n_keys, n_closes, ns, SRE_EPS,
-            W=w, LAM=lam, C=max(16, triton.next_power_of_2(lam + w)), F=F, D=D,
+            W=w, LAM=lam, C=C, F=F, D=D, RANK_BLOCK=min(32, C),
             SRE=cache.score == "sre", DECAY=log_decay is not None, num_warps=8,
         )
     ok = cache_ok.bool()
