@@ -2,10 +2,9 @@
 
 The batched sparse op attends every group at once, but the closes that decide what each group reads
 run one after another: close J scores its candidates against the state that closes 0 .. J - 1
-left. In torch each close is about 140 small device ops, so at 8192 tokens a layer issued some
-18,000 of them and its prefill took 150x a softmax layer's on an H200 (docs/performance.md). Here
-one program per (batch row, KV head) runs every close of the prompt in a loop, its state ``S, z`` in
-registers:
+left. In torch each close is a hundred-odd small device ops, so a long prompt's plan is bound by
+launching them (docs/triton.md has the numbers). Here one program per (batch row, KV head) runs
+every close of the prompt in a loop, its state ``S, z`` in registers:
 
 1. the λ + w candidates (the cache, then block J) are loaded by position: their key features
    (``phi_k`` of every key, computed once in torch beforehand, so learned maps keep their own code)
