@@ -369,7 +369,7 @@ def hybrid_attention_step(
     _check_decay(log_decay, cache, backend)
     if cache.active or state.sparse is not None:
         if backend == "triton" or (backend == "auto" and q.is_cuda):
-            _fall_back("_step", "the triton kernels have no sparse cache")
+            _fall_back("_step", "the triton kernels have no sparse-cache decode step")
         kwargs.pop("formulation")
         return hybrid_attention_step_sparse(q, k, v, state, window_logit, linear_logit, cache=cache, **kwargs)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
