@@ -773,6 +773,8 @@ PLAN_CASES = [  # B, Hk, T, D, window, size, sinks, score, decay, map
     (2, 1, 100, 32, 8, 24, 2, "sre", False, "hedgehog"),  # λ + w = 32 candidates, no padding slots
     (1, 2, 139, 16, 8, 4, 2, "random", True, "elu1"),  # ends on a close's position
     (1, 2, 10, 16, 8, 4, 2, "sre", False, "elu1"),  # one group, no close
+    (1, 2, 420, 16, 16, 64, 4, "sre", True, "hedgehog"),  # 80 candidates padded to 128: 2 row tiles
+    (1, 1, 300, 16, 16, 112, 0, "random", False, "elu1"),  # 128 candidates, the cache full from close 7
 ]
 
 
@@ -924,6 +926,32 @@ def test_hybrid_llama_with_a_sparse_cache_on_the_triton_plan(lively_dir, triton_
     enc = {"input_ids": ids[:, :40], "attention_mask": torch.ones_like(ids[:, :40])}
     assert_cached_generation_equals_uncached(models["triton"], enc, 12)
 
+
+def test_sparse_plan_that_fails_leaves_auto_on_torch(monkeypatch, caplog):
+    """A plan kernel that fails (a GPU it does not compile for, say) sends ``auto`` back to the torch
+    plan, says why once and stops asking it; ``backend="triton"`` raises the error itself."""
+    import hybrid_llama.ops.dispatch as dispatch
+    from hybrid_llama.ops import SparseCacheConfig
+    from hybrid_llama.ops.triton import sparse_plan
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(sparse_plan, "plan_evictions_triton", broken)
+    monkeypatch.setattr(dispatch, "_PLAN_FAILED", [])
+    q, k, v, wl, ll = (x.detach() for x in make_inputs(1, 2, 2, 60, 16, torch.float32, seed=3))
+    cache = SparseCacheConfig(8, 2, "sre")
+    kw = dict(window=8, feature_map="elu1", key_padding_mask=None, output_final_state=False)
+    with pytest.raises(RuntimeError, match="out of shared memory"):
+        dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "triton", log_decay=None, **kw)
+    with caplog.at_level("WARNING", logger="hybrid_llama.ops.dispatch"):
+        for _ in range(2):
+            assert dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "auto", log_decay=None, **kw) is None
+    assert len(calls) == 2  # triton's, then auto's first; auto's second did not ask
+    assert "out of shared memory" in caplog.text
 
 @gpu
 @pytest.mark.gpu

@@ -40,6 +40,8 @@ from .state import HybridState, prefill_state
 BACKENDS = ("auto", "reference", "chunked", "triton", "seed_naive")
 logger = logging.getLogger(__name__)
 _FALLBACKS_LOGGED: set[tuple[str, str]] = set()
+# Why the triton eviction plan failed under `auto` (a compile error, say): the process stops asking it.
+_PLAN_FAILED: list[str] = []
 
 
 def _load_triton(module: str, attr: str) -> tuple[Callable | None, str]:
@@ -271,6 +273,8 @@ def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheCon
             raise NotImplementedError(why)
         _fall_back("", why)
         return None
+    if backend == "auto" and _PLAN_FAILED:
+        return None
     planner = _triton_or_fallback("sparse_plan", "plan_evictions_triton", backend, "")
     if planner is None:
         return None
@@ -283,6 +287,12 @@ def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheCon
         if backend == "triton":
             raise
         _fall_back("", f"{exc}")
+        return None
+    except Exception as exc:  # e.g. a GPU the kernel does not compile for: auto stops trying it
+        if backend == "triton":
+            raise
+        _PLAN_FAILED.append(f"{type(exc).__name__}: {exc}")
+        _fall_back("", f"the triton eviction plan failed, so the torch plan runs from now on ({_PLAN_FAILED[0]})")
         return None
 
 

@@ -6,9 +6,9 @@ left. In torch each close is a hundred-odd small device ops, so a long prompt's 
 launching them (docs/triton.md has the numbers). Here one program per (batch row, KV head) runs
 every close of the prompt in a loop, its state ``S, z`` in registers:
 
-1. the λ + w candidates (the cache, then block J) are loaded by position: their key features
-   (``phi_k`` of every key, computed once in torch beforehand, so learned maps keep their own code)
-   and values;
+1. the λ + w candidates (the cache, then block J) are loaded by position, 64 at a time: their key
+   features (``phi_k`` of every key, computed once in torch beforehand, so learned maps keep their
+   own code) and values;
 2. each gets its score, ``sre`` (``|v - phi(k) S / (phi(k) z + eps)|``) or ``random`` (the same
    integer hash as ``eviction.random_scores``), -inf where the slot is empty;
 3. a candidate's rank is the number that beat it (higher score, or an equal score at an earlier
@@ -48,22 +48,35 @@ def _random_score(pos, head):
 
 
 @triton.jit
+def _candidates(cpos_ptr, cok_ptr, cache_row, cc, block_start, W: tl.constexpr, LAM: tl.constexpr):
+    """Candidate slots ``cc`` of a close: (position, holds a key, is a slot at all). Slots below λ are
+    the cache group J reads (``cache_row`` its offset), the next w the block from ``block_start``,
+    the rest padding (position 0, empty)."""
+    in_cache = cc < LAM
+    real = cc < LAM + W
+    cached = tl.load(cpos_ptr + cache_row + cc, mask=in_cache, other=0)
+    cached_ok = tl.load(cok_ptr + cache_row + cc, mask=in_cache, other=0) != 0
+    pos = tl.where(in_cache, cached, block_start + (cc - LAM))
+    return tl.where(real, pos, 0), tl.where(in_cache, cached_ok, real), real
+
+
+@triton.jit
 def _plan_kernel(
     fk_ptr, v_ptr, lam_ptr,
-    cpos_ptr, cok_ptr, fpos_ptr, fok_ptr, s_ptr, z_ptr, score_ptr,
+    cpos_ptr, cok_ptr, fpos_ptr, fok_ptr, s_ptr, z_ptr, scratch_ptr,
     HKV, n_keys, n_closes, sinks, eps,
     W: tl.constexpr, LAM: tl.constexpr, C: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
-    RANK_BLOCK: tl.constexpr, SRE: tl.constexpr, DECAY: tl.constexpr,
+    ROWS: tl.constexpr, RANK_BLOCK: tl.constexpr, SRE: tl.constexpr, DECAY: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     hk = bh % HKV
     c = tl.arange(0, C)  # candidate slots: the cache's λ, then the block's w, then padding
     f = tl.arange(0, F)
     d = tl.arange(0, D)
-    in_cache = c < LAM
-    real = c < LAM + W
     fk_base = fk_ptr + bh * n_keys * F
     v_base = v_ptr + bh * n_keys * D
+    scores = scratch_ptr + bh * 2 * C  # per close: the candidates' scores, then their fold weights
+    weights = scores + C
     cache_base = bh * (n_closes + 1) * LAM  # [G, λ] of this (row, head); group 0 reads an empty cache
     fold_base = bh * n_closes * W
     S = tl.zeros([F, D], dtype=tl.float32)
@@ -71,35 +84,37 @@ def _plan_kernel(
     if DECAY:
         log_gamma = tl.load(lam_ptr + hk)
     for J in range(0, n_closes):
-        cached = tl.load(cpos_ptr + cache_base + J * LAM + c, mask=in_cache, other=0)
-        cached_ok = tl.load(cok_ptr + cache_base + J * LAM + c, mask=in_cache, other=0) != 0
-        pos = tl.where(in_cache, cached, sinks + J * W + (c - LAM))
-        pos = tl.where(real, pos, 0)
-        valid = tl.where(in_cache, cached_ok, real)
-        fk = tl.load(fk_base + pos[:, None] * F + f[None, :], mask=real[:, None], other=0.0)
-        vv = tl.load(v_base + pos[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+        cache_row = cache_base + J * LAM
+        block_start = sinks + J * W
         if DECAY:
             if J > 0:  # S, z as of this close, w positions after the last
                 age = tl.exp(log_gamma * W)
                 S = S * age
                 z = z * age
-        if SRE:
-            num = tl.dot(fk, S, input_precision="ieee")
-            den = tl.sum(fk * z[None, :], axis=1) + eps
-            err = vv - num / den[:, None]
-            score = tl.sqrt(tl.sum(err * err, axis=1))
-        else:
-            score = _random_score(pos, hk)
-        score = tl.where(valid, score, float("-inf"))
-        # Rank = how many beat it: a higher score, or the same score at an earlier slot (stable sort).
-        # The C x C comparison runs RANK_BLOCK columns at a time, read back from a scratch row, so
-        # it never holds C^2 flags in registers.
-        tl.store(score_ptr + bh * C + c, score)
+        # Scores, ROWS candidates at a time (the [ROWS, F] features and their product with S are the
+        # kernel's largest tiles).
+        for c0 in tl.static_range(0, C, ROWS):
+            cc = c0 + tl.arange(0, ROWS)
+            pos, valid, real = _candidates(cpos_ptr, cok_ptr, cache_row, cc, block_start, W, LAM)
+            if SRE:
+                fk = tl.load(fk_base + pos[:, None] * F + f[None, :], mask=real[:, None], other=0.0)
+                vv = tl.load(v_base + pos[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+                num = tl.dot(fk, S, input_precision="ieee")
+                den = tl.sum(fk * z[None, :], axis=1) + eps
+                err = vv - num / den[:, None]
+                score = tl.sqrt(tl.sum(err * err, axis=1))
+            else:
+                score = _random_score(pos, hk)
+            tl.store(scores + cc, tl.where(valid, score, float("-inf")))
         tl.debug_barrier()
+        pos, valid, real = _candidates(cpos_ptr, cok_ptr, cache_row, c, block_start, W, LAM)
+        score = tl.load(scores + c)
+        # Rank = how many beat it: a higher score, or the same score at an earlier slot (stable sort),
+        # RANK_BLOCK columns at a time, so that no C x C flags sit in registers.
         rank = tl.zeros([C], dtype=tl.int32)
         for j0 in tl.static_range(0, C, RANK_BLOCK):
             cj = j0 + tl.arange(0, RANK_BLOCK)
-            s_j = tl.load(score_ptr + bh * C + cj)[None, :]
+            s_j = tl.load(scores + cj)[None, :]
             beaten = (s_j > score[:, None]) | ((s_j == score[:, None]) & (cj[None, :] < c[:, None]))
             rank += tl.sum(beaten.to(tl.int32), axis=1)
         keep = (rank < LAM) & real
@@ -125,10 +140,19 @@ def _plan_kernel(
         if DECAY:  # a folded key enters at gamma^(its age at this close)
             close_t = sinks + (J + 2) * W - 1
             weight = weight * tl.exp(log_gamma * tl.maximum(close_t - W - pos, 0).to(tl.float32))
-        fk_in = fk * weight[:, None]
-        S += tl.dot(tl.trans(fk_in), vv, input_precision="ieee")
-        z += tl.sum(fk_in, axis=0)
-        tl.debug_barrier()  # the next close reads the cache this one wrote, and rewrites the scores
+        tl.store(weights + c, weight)
+        tl.debug_barrier()
+        # The folds into S, z, ROWS candidates at a time (group J's cache is read again: close J
+        # wrote group J + 1's).
+        for c0 in tl.static_range(0, C, ROWS):
+            cc = c0 + tl.arange(0, ROWS)
+            pos, _, real = _candidates(cpos_ptr, cok_ptr, cache_row, cc, block_start, W, LAM)
+            fk = tl.load(fk_base + pos[:, None] * F + f[None, :], mask=real[:, None], other=0.0)
+            fk = fk * tl.load(weights + cc)[:, None]
+            vv = tl.load(v_base + pos[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+            S += tl.dot(tl.trans(fk), vv, input_precision="ieee")
+            z += tl.sum(fk, axis=0)
+        tl.debug_barrier()  # the next close rewrites the scratch row
     tl.store(s_ptr + bh * F * D + f[:, None] * D + d[None, :], S)
     tl.store(z_ptr + bh * F + f, z)
 
@@ -166,13 +190,13 @@ def plan_evictions_triton(k: Tensor, v: Tensor, T: int, window: int, cache, phi_
     z = torch.zeros(B, Hk, F, dtype=torch.float32, device=dev)
     if n_closes:
         C = max(16, triton.next_power_of_2(lam + w))
-        scores = torch.empty(B * Hk, C, dtype=torch.float32, device=dev)
+        scratch = torch.empty(B * Hk, 2 * C, dtype=torch.float32, device=dev)
         lam_kv = (log_decay.float() if log_decay is not None else torch.zeros(Hk, device=dev)).contiguous()
         _plan_kernel[(B * Hk,)](
-            fk, v[:, :, :n_keys].float().contiguous(), lam_kv, cache_pos, cache_ok, fold_pos, fold_ok, S, z, scores,
+            fk, v[:, :, :n_keys].float().contiguous(), lam_kv, cache_pos, cache_ok, fold_pos, fold_ok, S, z, scratch,
             Hk, n_keys, n_closes, ns, SRE_EPS,
-            W=w, LAM=lam, C=C, F=F, D=D, RANK_BLOCK=min(32, C),
-            SRE=cache.score == "sre", DECAY=log_decay is not None, num_warps=8,
+            W=w, LAM=lam, C=C, F=F, D=D, ROWS=min(64, C), RANK_BLOCK=min(32, C),
+            SRE=cache.score == "sre", DECAY=log_decay is not None, num_warps=4,
         )
     ok = cache_ok.bool()
     return Evictions(cache_pos, ok, fold_pos, fold_ok.bool(), S, z, cache_pos[:, :, -1], ok[:, :, -1])
