@@ -3,6 +3,7 @@
     python benchmarks/profile_layer.py                         # SmolLM2-135M's attention shape
     python benchmarks/profile_layer.py --model-dir resources/weights/smollm2 --layer 14
     python benchmarks/profile_layer.py --ops                   # also list the ops each call runs
+    python benchmarks/profile_layer.py --native --sparse-cache 128 --sinks 4   # time each native kernel
     python benchmarks/profile_layer.py --device cuda --dtype bfloat16 --sparse-cache 128 --sinks 4 \
         --decay 0.9995 --prefill-lens 1024,8192 --decode-contexts 8192 --calls 20 --ops   # on a GPU
 
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", action="store_true", help="profile the ops of one call per case")
     ap.add_argument("--cold", type=int, default=0, metavar="MB",
                     help="read this many MB before each timed call (evicts the layer's data, as a model does)")
+    ap.add_argument("--native", action="store_true",
+                    help="also give the time of each native CPU kernel per hybrid call (the rest is torch around them)")
     args = ap.parse_args(argv)
 
     from hybrid_llama.runtime import keep_freed_memory
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid_llama.layers import HybridConfig
     from hybrid_llama.models import make_hybrid_attention
+
+    native_s: dict[str, float] = {}
+    if args.native:
+        _time_native_kernels(native_s)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             for layer in layers.values():  # warm up
                 for _ in range(3):
                     run(layer)
+            native_s.clear()
             for i in range(calls):
                 order = list(layers.items()) if i % 2 == 0 else list(layers.items())[::-1]
                 for name, layer in order:
@@ -174,9 +182,39 @@ def main(argv: list[str] | None = None) -> int:
         t = time_case(run, calls)
         print(f"| {phase} | {n} | {t['softmax']:.1f} | {t['hybrid']:.1f} | {t['hybrid'] / t['softmax']:.2f}x |",
               flush=True)
+        if native_s:
+            print("    hybrid's native kernels per call: "
+                  + ", ".join(f"{name} {s / calls * 1e6:.1f}us" for name, s in sorted(native_s.items())), flush=True)
         if args.ops:
             print(ops(run), flush=True)
     return 0
+
+
+def _time_native_kernels(seconds: dict[str, float]) -> None:
+    """Make ``native.build.load`` hand out the kernel library with each kernel call timed into ``seconds``
+    (summed per kernel name; the caller clears it before the timed calls)."""
+    from hybrid_llama.ops.native import build
+
+    load = build.load
+
+    class Timed:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            fn = getattr(self._lib, name)
+            if not name.startswith(("hybrid_", "softmax_")) or name.endswith(("_workspace", "_threads")):
+                return fn
+
+            def timed(*args):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+            return timed
+
+    build.load = lambda: None if load() is None else Timed(load())
 
 
 if __name__ == "__main__":
