@@ -57,16 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid_llama.runtime import keep_freed_memory
 
     kept = keep_freed_memory()  # the allocator the pipeline's jobs run with (workflow/scripts/common.py)
+    native_s: dict[str, float] = {}
+    restore = _time_native_kernels(native_s) if args.native else (lambda: None)
+    try:
+        return _profile(args, kept, native_s)
+    finally:
+        restore()
+
+
+def _profile(args, kept: bool, native_s: dict[str, float]) -> int:
     import torch
     from transformers import DynamicCache, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
     from hybrid_llama.layers import HybridConfig
     from hybrid_llama.models import make_hybrid_attention
-
-    native_s: dict[str, float] = {}
-    if args.native:
-        _time_native_kernels(native_s)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -190,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _time_native_kernels(seconds: dict[str, float]) -> None:
+def _time_native_kernels(seconds: dict[str, float]):
     """Make ``native.build.load`` hand out the kernel library with each kernel call timed into ``seconds``
-    (summed per kernel name; the caller clears it before the timed calls)."""
+    (summed per kernel name; the caller clears it before the timed calls). Returns what undoes it."""
     from hybrid_llama.ops.native import build
 
     load = build.load
@@ -215,6 +220,7 @@ def _time_native_kernels(seconds: dict[str, float]) -> None:
             return timed
 
     build.load = lambda: None if load() is None else Timed(load())
+    return lambda: setattr(build, "load", load)
 
 
 if __name__ == "__main__":

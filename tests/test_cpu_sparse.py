@@ -335,3 +335,26 @@ def test_decaying_sparse_model_generates_with_the_native_paths(native_calls, nat
     assert native_calls["ran"] == 2  # the prompt's two hybrid layers
     assert native_sparse_steps["ran"] >= 2 * 8 and native_sparse_steps["declined"] >= 2
     assert torch.equal(cached, greedy_decode(model, ids, 12, use_cache=False))
+
+
+def test_profile_layer_times_the_native_kernels(capsys):
+    """``benchmarks/profile_layer.py --native`` gives each native kernel's time per hybrid call, less
+    than the call itself, and leaves the kernel library as it found it."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_layer.py"
+    spec = importlib.util.spec_from_file_location("profile_layer", path)
+    profile_layer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_layer)
+    load = native.load
+    assert profile_layer.main(["--sparse-cache", "16", "--sinks", "2", "--prefill-lens", "300", "--decode-contexts",
+                               "100", "--calls", "20", "--native"]) == 0
+    assert native.load is load
+    out = capsys.readouterr().out
+    hybrid_us = float(re.search(r"\| prefill \| 300 \| [\d.]+ \| ([\d.]+) \|", out)[1])
+    kernels = dict(re.findall(r"(hybrid_sparse_\w+_f32) ([\d.]+)us", out.split("| decode")[0]))
+    assert set(kernels) == {"hybrid_sparse_group_f32", "hybrid_sparse_close_f32"}
+    assert 0 < sum(map(float, kernels.values())) < hybrid_us
+    assert "hybrid_sparse_step_f32" in out.split("| decode")[1]
