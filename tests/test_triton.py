@@ -946,10 +946,10 @@ def test_sparse_plan_that_fails_leaves_auto_on_torch(monkeypatch, caplog):
     cache = SparseCacheConfig(8, 2, "sre")
     kw = dict(window=8, feature_map="elu1", key_padding_mask=None, output_final_state=False)
     with pytest.raises(RuntimeError, match="out of shared memory"):
-        dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "triton", log_decay=None, **kw)
+        dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "triton", True, None, kw)
     with caplog.at_level("WARNING", logger="hybrid_llama.ops.dispatch"):
         for _ in range(2):
-            assert dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "auto", log_decay=None, **kw) is None
+            assert dispatch._sparse_on_triton(q, k, v, wl, ll, cache, "auto", True, None, kw) is None
     assert len(calls) == 2  # triton's, then auto's first; auto's second did not ask
     assert "out of shared memory" in caplog.text
 

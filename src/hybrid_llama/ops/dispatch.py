@@ -245,8 +245,9 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
         o, _, _ = hybrid_attention_sparse_reference(q, k, v, window_logit, linear_logit, cache=cache,
                                                     log_decay=log_decay, **kwargs)
         return o, None
+    batched = sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares"))
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        done = _sparse_on_triton(q, k, v, window_logit, linear_logit, cache, backend, log_decay=log_decay, **kwargs)
+        done = _sparse_on_triton(q, k, v, window_logit, linear_logit, cache, backend, batched, log_decay, kwargs)
         if done is not None:
             return done
     if (backend in ("auto", "chunked") and not kwargs.get("return_shares")
@@ -256,18 +257,25 @@ def _sparse(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backe
             feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
         if done is not None:
             return done
-    if sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
-        return sparse_batched.hybrid_attention_sparse_batched(
-            q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
-            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay)
+    if batched:
+        return _sparse_batched(q, k, v, window_logit, linear_logit, cache, log_decay, kwargs)
     return hybrid_attention_sparse(q, k, v, window_logit, linear_logit, cache=cache, log_decay=log_decay, **kwargs)
 
 
-def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, *,
-                      log_decay: Tensor | None, **kwargs):
+def _sparse_batched(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, log_decay: Tensor | None,
+                    kwargs: dict, planner: Callable | None = None):
+    """``sparse.batched``'s op with the dispatcher's arguments (``planner``: its evictions' planner)."""
+    return sparse_batched.hybrid_attention_sparse_batched(
+        q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache, feature_map=kwargs["feature_map"],
+        output_final_state=kwargs["output_final_state"], log_decay=log_decay, planner=planner)
+
+
+def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheConfig, backend: str, batched: bool,
+                      log_decay: Tensor | None, kwargs: dict):
     """The batched sparse op with its evictions planned by the triton kernel, or None where that does
-    not apply (said once; ``backend='triton'`` raises instead)."""
-    if not sparse_batched.covers(cache, kwargs["key_padding_mask"], kwargs.get("return_shares")):
+    not apply (said once; ``backend='triton'`` raises instead). ``batched``: whether the batched op
+    takes these options."""
+    if not batched:
         why = "the triton eviction plan takes no padding mask, no 'attention' score and no shares"
         if backend == "triton":
             raise NotImplementedError(why)
@@ -279,10 +287,7 @@ def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheCon
     if planner is None:
         return None
     try:
-        return sparse_batched.hybrid_attention_sparse_batched(
-            q, k, v, window_logit, linear_logit, window=kwargs["window"], cache=cache,
-            feature_map=kwargs["feature_map"], output_final_state=kwargs["output_final_state"], log_decay=log_decay,
-            planner=planner)
+        return _sparse_batched(q, k, v, window_logit, linear_logit, cache, log_decay, kwargs, planner)
     except NotImplementedError as exc:  # widths the kernel does not take
         if backend == "triton":
             raise
