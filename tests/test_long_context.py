@@ -271,6 +271,44 @@ def test_long_lengths_run_only_for_the_listed_slots():
     assert max(p.config["throughput"]["seq_lens"]) == 8192 == max(p.quality_settings("books", rec)["context_lens"])
 
 
+def test_passkey_runs_for_base_and_the_listed_variants_only():
+    p = _pipeline(config("config.yaml"))
+    rec = p.recommended()
+    assert p.config["quality"]["passkey"]["variants"] == ["lolcats", "recommended"]
+    tables = p.report_inputs()["quality"]
+    for variant in ("lolcats", rec):
+        files = p.stage_quality_files("smollm2", variant, "cpu", "passkey")
+        assert files == ["results/smollm2/base/quality/cpu/base/passkey.csv",
+                         f"results/smollm2/{variant}/quality/cpu/transfer_lora/passkey.csv"]
+        assert f"results/smollm2/{variant}/quality/cpu/passkey.csv" in tables
+    for variant in ("seed", "window_only"):  # no job, no table, and their exports do not wait for one
+        assert p.stage_quality_files("smollm2", variant, "cpu", "passkey") == []
+        assert p.quality_settings("passkey", variant)["context_lens"] == []
+        assert f"results/smollm2/{variant}/quality/cpu/passkey.csv" not in tables
+        assert f"results/smollm2/{variant}/quality/cpu/perplexity.csv" in tables
+    assert p.export_inputs("smollm2", "seed")["results"] == ["results/smollm2/seed/quality/cpu/perplexity.csv"]
+    assert p.quality_settings("passkey", "base")["context_lens"] == [1024, 2048]
+    # null: every variant, as before the key
+    cfg = json.loads(json.dumps(config("config.yaml")))
+    cfg["quality"]["passkey"]["variants"] = None
+    p = _pipeline(cfg)
+    assert all(p.stage_quality_files("smollm2", v, "cpu", "passkey") for v in ("seed", "window_only", "lolcats", rec))
+    # a job's params do not carry the list: adding a variant to it reruns no job that ran before
+    assert p.quality_settings("passkey", "lolcats") == _pipeline(config("config.yaml")).quality_settings(
+        "passkey", "lolcats")
+    assert "variants" not in p.quality_settings("passkey", "base")
+    assert len(p.export_inputs("smollm2", "seed")["results"]) == 2
+
+
+def test_default_runs_no_mmlu_job_of_its_own():
+    p = _pipeline(config("config.yaml"))
+    assert p.mmlu_files("smollm2") == [] and p.report_inputs()["mmlu"] == []
+    assert not [f for f in p.report_inputs()["plots"] if "mmlu" in f]
+    assert "mmlu" in p.config["zeroshot"]["tasks"]  # the suite's 5-shot MMLU stays
+    paper = _pipeline(config("paper.yaml"))
+    assert paper.mmlu_files("llama32_1b") and [f for f in paper.report_inputs()["plots"] if "mmlu" in f]
+
+
 def test_paper_config_runs_every_length_for_every_slot():
     p = _pipeline(config("paper.yaml"))
     assert p.quality_settings("niah", "seed")["context_lens"][-1] == 32768
@@ -284,6 +322,8 @@ def test_paper_config_runs_every_length_for_every_slot():
         (lambda c: c["quality"]["long_context"]["slots"].update(niah=["nope"]), "quality.long_context.slots.niah",
          "name no result slot"),
         (lambda c: c["throughput"]["long"].update(variants=["nope"]), "throughput.long.variants", "name no variant"),
+        (lambda c: c["quality"]["passkey"].update(variants=["recommended", "nope"]), "quality.passkey.variants",
+         "['nope'] name no variant"),
         (lambda c: c["data"]["books"].update(heldout=["pg0"]), "data.books.heldout", "no such book"),
         (lambda c: c["data"]["books"].update(local="no_such_dir"), "data.books.local", "not a directory"),
         # the Hub's books: names must be pg<ebook number> (whatever the source), and with the Hub possible

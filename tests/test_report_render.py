@@ -548,8 +548,16 @@ def test_no_result_files_at_all_still_renders(tmp_path):
                            "lolcats_retrieval: hybrid after transfer + LoRA"]
     assert "none (trained as the parent of lolcats_retrieval)" in html
     assert all(text == "not measured" for cells in table.values() for text, _ in cells)
-    assert len(next(iter(table.values()))) == 6 + 2  # MMLU: shots 0 and 5
+    # the default runs no MMLU job of its own (mmlu.shots: []): no column, section or link for it
+    assert len(next(iter(table.values()))) == 6
+    assert 'id="mmlu"' not in html and 'href="#mmlu"' not in html and "MMLU Δ" not in html
     assert summary(html) == []
+    # with MMLU asked for, its columns and section are there before any result
+    cfg["mmlu"]["shots"] = [0, 5]
+    html = write_report(tmp_path / "report.html", config=cfg, benchmarks_dir=tmp_path, repo_dir=tmp_path,
+                        **none).read_text()
+    assert len(next(iter(headline(html).values()))) == 6 + 2
+    assert 'id="mmlu"' in html and 'href="#mmlu"' in html
 
 
 @needs_chromium

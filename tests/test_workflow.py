@@ -452,6 +452,27 @@ def test_derived_variants_plan_no_training_of_their_own(wf_copy, tmp_path):
     assert "results/tiny/lc16/lora/adapter_model.safetensors" in evals
 
 
+def test_passkey_variants_and_no_mmlu_shots_plan_only_those_jobs(wf_copy, tmp_path):
+    """quality.passkey.variants: [lc16] runs the passkey for base, base_lora and lc16's stages only, and
+    w16 still exports (its card reads no passkey table); mmlu.shots: [] plans no MMLU job or plot."""
+    cfg = yaml.safe_load((wf_copy / "config" / "test.yaml").read_text())
+    cfg["quality"]["passkey"]["variants"] = ["lc16"]
+    cfg["mmlu"]["shots"] = []
+    file = tmp_path / "fewer.yaml"
+    file.write_text(yaml.safe_dump(cfg))
+    out = snakemake(wf_copy, "-n", "--cores", "1", configfile=file, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    jobs = planned_jobs(out.stdout)
+    passkeys = sorted(f for r, f in jobs if r == "passkey")
+    assert passkeys == sorted(f"results/tiny/{slot}/quality/cpu/{stage}/passkey.csv" for slot, stage in [
+        ("base", "base"), ("base_lora", "base_lora"), ("lc16", "transfer"), ("lc16", "transfer_lora")])
+    assert ("quality_table", "results/tiny/w16/quality/cpu/passkey.csv") not in jobs
+    assert ("quality_table", "results/tiny/lc16/quality/cpu/passkey.csv") in jobs
+    assert ("export", "results/tiny/w16/model") in jobs
+    assert not [r for r, _ in jobs if "mmlu" in r]
+    assert sorted(r for r, _ in jobs).count("perplexity") == 7  # the other evaluations as before
+
+
 def test_a_parent_with_no_stages_plans_its_training_and_nothing_of_its_own(wf_copy, tmp_path):
     """stages: [] (the default's lolcats_sparse_distill): its LoRA job runs for the variant derived
     from it; no job evaluates, tables, plots or exports it."""

@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # views imports this module
     from .views import Pipeline
 
 __all__ = ["book_files", "books_dir", "books_hub_source", "books_source", "hub_book_files", "hub_books",
-           "kind_settings", "long_slots", "quality_lens", "recommended", "slot_settings", "throughput_long",
-           "trains_on_books", "training_book_files", "uses_books", "check_long_context"]
+           "kind_settings", "long_slots", "passkey_variants", "quality_lens", "recommended", "slot_settings",
+           "throughput_long", "trains_on_books", "training_book_files", "uses_books", "check_long_context"]
 
 
 def recommended(p: Pipeline) -> str | None:
@@ -47,9 +47,24 @@ def long_slots(p: Pipeline, kind: str) -> list[str]:
     return [rec if s == "recommended" else s for s in named if s != "recommended" or rec is not None]
 
 
+def passkey_variants(p: Pipeline) -> list[str] | None:
+    """The variants that run the passkey test (``quality.passkey.variants``, 'recommended' resolved and
+    dropped when unset); None: every variant. Base's and base_lora's slots always run it."""
+    named = p.config["quality"]["passkey"].get("variants")
+    if named is None:
+        return None
+    rec = recommended(p)
+    return [rec if v == "recommended" else v for v in named if v != "recommended" or rec is not None]
+
+
 def quality_lens(p: Pipeline, kind: str, slot: str) -> list[int]:
     """The context lengths ``slot`` evaluates for ``kind``: all of them, or for the long-context kinds
-    the short ones unless ``slot`` runs the long lengths."""
+    the short ones unless ``slot`` runs the long lengths; none for a variant the passkey test leaves out."""
+    from hybrid_llama.names import SHARED_STAGES
+
+    if kind == "passkey" and slot not in SHARED_STAGES and (named := passkey_variants(p)) is not None \
+            and slot not in named:
+        return []
     lens = [int(n) for n in kind_settings(p, kind)["context_lens"]]
     start = p.config["quality"]["long_context"]["from_len"]
     if kind not in LONG_CONTEXT_KINDS or start is None or slot in long_slots(p, kind):
@@ -60,7 +75,8 @@ def quality_lens(p: Pipeline, kind: str, slot: str) -> list[int]:
 def slot_settings(p: Pipeline, kind: str, slot: str) -> dict[str, Any]:
     """A quality job's params: the kind's section with the slot's own context lengths; for the
     books also ``anchor_len``, the longest configured length, which places every slot's windows."""
-    settings = kind_settings(p, kind)
+    # which variants run the test is not a setting of any one job: listing another reruns no other job
+    settings = {k: v for k, v in kind_settings(p, kind).items() if k != "variants"}
     extra = {"anchor_len": max(settings["context_lens"], default=0)} if kind == "books" else {}
     return canonical({**settings, "context_lens": quality_lens(p, kind, slot), **extra})
 
@@ -139,6 +155,9 @@ def check_long_context(p: Pipeline) -> None:
     untimed = [v for v in throughput_long(p)["variants"] if v not in p.throughput_variants()]
     if untimed:
         raise ConfigError("throughput.long.variants", f"{untimed} are not timed at all (throughput.variants)")
+    unknown = [v for v in p.config["quality"]["passkey"].get("variants") or [] if v not in {*p.variants, "recommended"}]
+    if unknown:
+        raise ConfigError("quality.passkey.variants", f"{unknown} name no variant (variants: {sorted(p.variants)})")
     known = {*p.variants, *SHARED_STAGES, "recommended"}
     for kind in LONG_CONTEXT_KINDS:
         unknown = [s for s in p.config["quality"]["long_context"]["slots"][kind] if s not in known]

@@ -390,7 +390,8 @@ class Pipeline:
         if stage == "transfer_lora":
             files["lora_metrics"] = path("lora_metrics", model=model, variant=self.lora_owner(variant))
         files["results"] = [path("quality", model=model, variant=variant, device=d, kind=k)
-                            for d in self.devices for k in ("perplexity", "passkey")]
+                            for d in self.devices for k in ("perplexity", "passkey")
+                            if self.stage_quality_files(model, variant, d, k)]
         if variant in self.throughput_variants():
             files["results"] += [path("throughput", model=model, device=d) for d in self.devices]
         return files
@@ -461,7 +462,8 @@ class Pipeline:
 
     def report_inputs(self) -> dict[str, list[str]]:
         m_, v_, d_ = list(self.models), list(self.variants), self.devices
-        plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]]
+        plots = [path("plot_mmlu", model=m, fmt=f) for m in m_ for f in self.config["mmlu"]["formats"]
+                 if self.mmlu_files(m, f)]
         plots += [path(k, model=m, device=d) for m in m_ for d in d_
                   for k in ("plot_throughput", "plot_memory", "plot_nll", "plot_passkey", "plot_components")]
         plots += [path("plot_books_nll", model=m, device=d) for m in m_ for d in d_

@@ -223,6 +223,8 @@ def build_context(
         "config_yaml": yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100),
         "variants": variants_cfg,
         "mmlu": mmlu_table,
+        # the section and its link: where the config runs MMLU jobs (mmlu.shots) or results were given
+        "has_mmlu": bool(mmlu_table) or bool(config.get("mmlu", {}).get("shots")),
         "zeroshot": [{**t, "id": anchor("zeroshot", t["model"], t["device"])}
                      for t in zeroshot_tables(zs, windows, windows[next(iter(windows))])],
         "mmlu_plots": [{"name": f"{k[1]} {k[4]}", "src": v} for k, v in sorted(plots_by_name.items())
