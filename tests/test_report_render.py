@@ -551,13 +551,14 @@ def test_no_result_files_at_all_still_renders(tmp_path):
     # the default runs no MMLU job of its own (mmlu.shots: []): no column, section or link for it
     assert len(next(iter(table.values()))) == 6
     assert 'id="mmlu"' not in html and 'href="#mmlu"' not in html and "MMLU Δ" not in html
+    assert "an MMLU difference" not in html
     assert summary(html) == []
     # with MMLU asked for, its columns and section are there before any result
     cfg["mmlu"]["shots"] = [0, 5]
     html = write_report(tmp_path / "report.html", config=cfg, benchmarks_dir=tmp_path, repo_dir=tmp_path,
                         **none).read_text()
     assert len(next(iter(headline(html).values()))) == 6 + 2
-    assert 'id="mmlu"' in html and 'href="#mmlu"' in html
+    assert 'id="mmlu"' in html and 'href="#mmlu"' in html and "an MMLU difference" in html
 
 
 @needs_chromium
