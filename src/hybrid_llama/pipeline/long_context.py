@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_llama.books import book_names, gutenberg_id
 from hybrid_llama.config import canonical
-from hybrid_llama.names import CORPUS_PARTS
+from hybrid_llama.names import CORPUS_PARTS, SHARED_STAGES
 
 from .paths import LONG_CONTEXT_KINDS, PATHS, path
 
@@ -25,12 +25,19 @@ if TYPE_CHECKING:  # views imports this module
 
 __all__ = ["book_files", "books_dir", "books_hub_source", "books_source", "hub_book_files", "hub_books",
            "kind_settings", "long_slots", "passkey_variants", "quality_lens", "recommended", "slot_settings",
-           "throughput_long", "trains_on_books", "training_book_files", "uses_books", "check_long_context"]
+           "throughput_long", "trains_on_books", "training_book_files", "uses_books", "with_recommended",
+           "check_long_context"]
 
 
 def recommended(p: Pipeline) -> str | None:
     """The recommended variant's name (config ``recommended``), or None."""
     return p.config.get("recommended")
+
+
+def with_recommended(p: Pipeline, names: list[str]) -> list[str]:
+    """``names`` with 'recommended' replaced by the variant it names (dropped when none is set)."""
+    rec = recommended(p)
+    return [rec if n == "recommended" else n for n in names if n != "recommended" or rec is not None]
 
 
 def kind_settings(p: Pipeline, kind: str) -> dict[str, Any]:
@@ -42,26 +49,19 @@ def kind_settings(p: Pipeline, kind: str) -> dict[str, Any]:
 
 def long_slots(p: Pipeline, kind: str) -> list[str]:
     """The slots that run the long lengths of ``kind`` ('recommended' resolved; dropped when unset)."""
-    named = p.config["quality"]["long_context"]["slots"][kind]
-    rec = recommended(p)
-    return [rec if s == "recommended" else s for s in named if s != "recommended" or rec is not None]
+    return with_recommended(p, p.config["quality"]["long_context"]["slots"][kind])
 
 
 def passkey_variants(p: Pipeline) -> list[str] | None:
     """The variants that run the passkey test (``quality.passkey.variants``, 'recommended' resolved and
     dropped when unset); None: every variant. Base's and base_lora's slots always run it."""
     named = p.config["quality"]["passkey"].get("variants")
-    if named is None:
-        return None
-    rec = recommended(p)
-    return [rec if v == "recommended" else v for v in named if v != "recommended" or rec is not None]
+    return None if named is None else with_recommended(p, named)
 
 
 def quality_lens(p: Pipeline, kind: str, slot: str) -> list[int]:
     """The context lengths ``slot`` evaluates for ``kind``: all of them, or for the long-context kinds
     the short ones unless ``slot`` runs the long lengths; none for a variant the passkey test leaves out."""
-    from hybrid_llama.names import SHARED_STAGES
-
     if kind == "passkey" and slot not in SHARED_STAGES and (named := passkey_variants(p)) is not None \
             and slot not in named:
         return []
@@ -144,7 +144,6 @@ def check_long_context(p: Pipeline) -> None:
     held-out books the Hub would not provide (source hf or auto) or the mirror's directory lacks (when
     it is read)."""
     from hybrid_llama.config import ConfigError
-    from hybrid_llama.names import SHARED_STAGES
 
     rec = recommended(p)
     if rec is not None and rec not in p.variants:
@@ -198,6 +197,5 @@ def check_long_context(p: Pipeline) -> None:
 def throughput_long(p: Pipeline) -> dict[str, Any]:
     """``throughput.long`` with 'recommended' resolved to the variant it names (dropped when unset)."""
     long = dict(p.config["throughput"]["long"])
-    rec = recommended(p)
-    long["variants"] = [rec if v == "recommended" else v for v in long["variants"] if v != "recommended" or rec]
+    long["variants"] = with_recommended(p, long["variants"])
     return canonical(long)

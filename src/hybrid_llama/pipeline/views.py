@@ -360,8 +360,7 @@ class Pipeline:
         named = self.config["throughput"].get("variants")
         if named is None:
             return [v for v in self.variants if self.trained(v, "transfer")] or list(self.variants)
-        rec = self.config.get("recommended")
-        chosen = {rec if v == "recommended" else v for v in named}
+        chosen = set(long_context.with_recommended(self, named))
         timed = [self.hybrid(v) for v in chosen if v in self.variants]
         return [v for v in self.variants if v in chosen or self.hybrid(v) in timed]
 
