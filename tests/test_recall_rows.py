@@ -3,6 +3,7 @@ weighted distillation loss against the KL written out, and how the workflow wire
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import re
@@ -12,6 +13,7 @@ import pytest
 import torch
 import yaml
 from snakemake.utils import validate
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid_llama.config import SCHEMA_PATH, ConfigError
 from hybrid_llama.data import read_manifest
@@ -464,6 +466,18 @@ def test_recall_rows_where_they_cannot_train_fail_naming_the_key(lora, base_lora
     assert err.value.key == key
 
 
+class _AtenCalls(TorchDispatchMode):
+    """The names of the aten ops run inside the block."""
+
+    def __enter__(self):
+        self.names: list[str] = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("answer_target", ["teacher", "token"])
 def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(tiny_model_dir, recall_file, tmp_path,
                                                                               monkeypatch, answer_target):
@@ -478,17 +492,21 @@ def test_the_kl_in_chunks_gives_the_loss_and_gradients_of_the_kl_in_one_piece(ti
                               answer_target=answer_target)
     n = len(obj.rows["train"])
 
-    def loss_and_grads(rows):
+    def loss_and_grads(rows, backward_calls):
         student.zero_grad()
         total, count = obj.loss_sum(obj.batch("train", rows))
-        (total / count).backward()
+        with backward_calls:
+            (total / count).backward()
         return float(total.detach()), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
 
     for rows in ([0], [n + 2]):  # a corpus row of 64 tokens, a recall row of 256
         monkeypatch.setattr(lo, "KL_CHUNK", 4096)
-        whole, whole_grads = loss_and_grads(rows)
+        whole, whole_grads = loss_and_grads(rows, one_piece := _AtenCalls())
         monkeypatch.setattr(lo, "KL_CHUNK", 48)  # chunks that end in the middle of an answer, and a short last one
-        chunked, grads = loss_and_grads(rows)
+        chunked, grads = loss_and_grads(rows, in_chunks := _AtenCalls())
+        # A row of one chunk keeps its logits for the backward; chunks run their log-softmax again there.
+        assert "aten._log_softmax.default" not in one_piece.names
+        assert "aten._log_softmax.default" in in_chunks.names
         assert chunked == pytest.approx(whole, rel=1e-5) and whole > 0.1
         assert grads.keys() == whole_grads.keys() and len(grads) > 10
         for k in grads:
@@ -517,16 +535,21 @@ def test_a_long_row_recomputes_its_layers_and_trains_the_same(tiny_model_dir, re
     layer = causal_lm.model.layers[0]
     layer.register_forward_hook(lambda m, a, o: seen.append(bool(getattr(m, "gradient_checkpointing", False))))
 
-    def loss_and_grads():
+    def loss_and_grads(backward_calls=None):
         student.zero_grad()
         total, count = obj.loss_sum(batch)
-        (total / count).backward()
+        with backward_calls or contextlib.nullcontext():
+            (total / count).backward()
         return float(total.detach()), {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
 
     whole, whole_grads = loss_and_grads()
     monkeypatch.setattr(lo, "KL_CHUNK", 64)
-    long, grads = loss_and_grads()
+    recomputed = _AtenCalls()
+    long, grads = loss_and_grads(recomputed)
     assert seen[0] is False and True in seen[1:]  # checkpointed only as a long row (forward and recompute)
+    # The recompute reuses the softmax layers' attention outputs instead of running the kernel again.
+    assert any("scaled_dot_product" in n and "backward" in n for n in recomputed.names)
+    assert not [n for n in recomputed.names if "scaled_dot_product" in n and "backward" not in n]
     assert not layer.gradient_checkpointing  # and switched off after it
     assert long == pytest.approx(whole, rel=1e-5) and any("lora_" in k for k in grads)
     for k in grads:

@@ -13,6 +13,7 @@ Both validate before training and after every epoch, per token over the whole va
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from abc import abstractmethod
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hybrid_llama.data import IGNORE_INDEX, load_instruct, load_packed
 from hybrid_llama.recall_rows import answer_positions, load_recall_rows
@@ -241,7 +242,7 @@ class DistillObjective(TokenObjective):
         recompute = batch["input_ids"].shape[1] > KL_CHUNK and torch.is_grad_enabled()
         if recompute:  # transformers >= 5.2x names it activation checkpointing
             getattr(student, "activation_checkpointing_enable", student.gradient_checkpointing_enable)(
-                {"use_reentrant": False})
+                {"use_reentrant": False, "context_fn": KEEP_ATTENTION_OUTPUTS})
         try:
             hidden = student.model(input_ids=batch["input_ids"],
                                    position_ids=batch.get("position_ids")).last_hidden_state
@@ -251,13 +252,15 @@ class DistillObjective(TokenObjective):
         weights, hard = batch.get("weights"), batch.get("hard")
         # The token each position predicts, for the positions trained toward it (answer_target 'token').
         labels = None if hard is None else torch.roll(batch["input_ids"], -1, dims=1)
+        # A row of one chunk keeps its logits for the backward; longer rows recompute each chunk's.
+        one_chunk = hidden.shape[1] <= KL_CHUNK
         total = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[1], KL_CHUNK):
             chunk = slice(s, s + KL_CHUNK)
             w = None if weights is None else weights[:, chunk]
             h = None if hard is None else (hard[:, chunk], labels[:, chunk])
-            total = total + checkpoint(self._kl_sum, student.lm_head, hidden[:, chunk], states[:, chunk], w, h,
-                                       use_reentrant=False)
+            args = (student.lm_head, hidden[:, chunk], states[:, chunk], w, h)
+            total = total + (self._kl_sum(*args) if one_chunk else checkpoint(self._kl_sum, *args, use_reentrant=False))
         count = batch["input_ids"].numel() if weights is None else float(weights.sum())
         return total, count
 
@@ -281,9 +284,29 @@ class DistillObjective(TokenObjective):
 
 # Positions whose logits the distillation holds at once: a row of 8192 tokens would hold four
 # [L, vocab] fp32 tensors (6.4 GB for SmolLM2's 49K vocabulary) and its backward as many again;
-# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk, and
-# only longer rows recompute their decoder layers.
+# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk, kept
+# for the backward (a recompute would run both models' lm_head again), and only longer rows
+# recompute their decoder layers.
 KL_CHUNK = 2048
+
+
+def _attention_kernels() -> frozenset:
+    """The fused softmax-attention kernels SDPA dispatches to on this build (CPU and CUDA)."""
+    names = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+def _keep_attention(_ctx, op, *_args, **_kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_KERNELS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_KERNELS = _attention_kernels()
+# What the recomputed layers keep from their first forward: the softmax layers' attention outputs.
+# Over a row of 8192 tokens those kernels are most of a softmax layer's recompute and their outputs
+# a few MB each, so keeping them costs no memory to speak of (docs/performance.md). Either way the
+# gradients are the same numbers.
+KEEP_ATTENTION_OUTPUTS = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
