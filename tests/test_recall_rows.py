@@ -324,8 +324,9 @@ def test_distillation_with_recall_rows_trains_them_with_the_teacher_run_for_them
                         hybrid_layers=tmp_path / "t" / "hybrid_layers.safetensors", recall_rows=recall_file,
                         teacher_states=tmp_path / "t" / "teacher_states.safetensors")
     assert m["num_train"] == 6 + 3 and m["num_recall_rows"] == 3 and m["steps"] == 9
-    # the saved states serve the corpus rows; the recall rows and the two validations (2 rows each) run it
-    assert m["teacher_forwards"] == 3 + 2 * 2
+    # the saved states serve the corpus rows; the recall rows run the teacher, and the validation rows
+    # (2, one a batch) once for both validations
+    assert m["teacher_forwards"] == 3 + 2
     assert m["lora"]["answer_weight"] == 4.0
     for bad, match in (({**cfg, "recall_rows": 2}, "holds 3 rows of 1 facts"),
                        ({**cfg, "recall_seq_len": 512}, "and 512 tokens"),

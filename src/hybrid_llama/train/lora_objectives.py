@@ -200,6 +200,7 @@ class DistillObjective(TokenObjective):
         self.teacher = teacher
         self.teacher_forwards = 0
         self.train_states = None
+        self.val_states: torch.Tensor | None = None  # the teacher's, the same at every validation
         if teacher_states is not None:
             from hybrid_llama.train.teacher_states import TeacherStates
 
@@ -214,7 +215,10 @@ class DistillObjective(TokenObjective):
     def batch(self, split: str, idx: Any) -> Batch:
         if split == "val":
             ids = self.rows["val"][idx].to(self.device)
-            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if self.val_states is not None:
+                batch["teacher_states"] = self.val_states[idx].to(self.device)
+            return batch
         idx = list(range(self.split_rows("train")))[idx] if isinstance(idx, slice) else list(idx)
         n = len(self.rows["train"])
         ids = torch.stack([self.rows["train"][i] if i < n else self.recall[0][i - n] for i in idx]).to(self.device)
@@ -229,12 +233,26 @@ class DistillObjective(TokenObjective):
             batch["teacher_states"] = self.train_states[idx].to(self.device)
         return batch
 
+    def validation_loss(self) -> float:
+        # The teacher is frozen: its states of the validation rows, run once in the batches every
+        # validation reads, serve the validations before and after training alike.
+        if self.val_states is None:
+            with autocast(self.device, self.amp):
+                self.val_states = torch.cat([
+                    self._teacher_states(self.batch("val", slice(s, s + self.batch_size))["input_ids"]).cpu()
+                    for s in range(0, self.split_rows("val"), self.batch_size)])
+        return super().validation_loss()
+
+    @torch.no_grad()
+    def _teacher_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The teacher's final hidden states: what teacher(input_ids).logits computes before its lm_head."""
+        self.teacher_forwards += 1
+        return self.teacher.model(input_ids=input_ids).last_hidden_state
+
     def loss_sum(self, batch: Batch) -> tuple[torch.Tensor, float]:
-        with torch.no_grad():
-            states = batch.get("teacher_states")
-            if states is None:  # what teacher(input_ids).logits computes, in two steps
-                states = self.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
-                self.teacher_forwards += 1
+        states = batch.get("teacher_states")
+        if states is None:
+            states = self._teacher_states(batch["input_ids"])
         # The teacher's targets are relative in position: a shifted student row keeps them.
         student = _causal_lm(self.model)
         # A row longer than one KL chunk also recomputes each decoder layer in the backward: at 8192
