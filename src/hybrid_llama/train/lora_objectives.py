@@ -270,15 +270,13 @@ class DistillObjective(TokenObjective):
         weights, hard = batch.get("weights"), batch.get("hard")
         # The token each position predicts, for the positions trained toward it (answer_target 'token').
         labels = None if hard is None else torch.roll(batch["input_ids"], -1, dims=1)
-        # A row of one chunk keeps its logits for the backward; longer rows recompute each chunk's.
-        one_chunk = hidden.shape[1] <= KL_CHUNK
         total = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[1], KL_CHUNK):
             chunk = slice(s, s + KL_CHUNK)
             w = None if weights is None else weights[:, chunk]
             h = None if hard is None else (hard[:, chunk], labels[:, chunk])
-            args = (student.lm_head, hidden[:, chunk], states[:, chunk], w, h)
-            total = total + (self._kl_sum(*args) if one_chunk else checkpoint(self._kl_sum, *args, use_reentrant=False))
+            total = total + checkpoint(self._kl_sum, student.lm_head, hidden[:, chunk], states[:, chunk], w, h,
+                                       use_reentrant=False)
         count = batch["input_ids"].numel() if weights is None else float(weights.sum())
         return total, count
 
@@ -302,9 +300,9 @@ class DistillObjective(TokenObjective):
 
 # Positions whose logits the distillation holds at once: a row of 8192 tokens would hold four
 # [L, vocab] fp32 tensors (6.4 GB for SmolLM2's 49K vocabulary) and its backward as many again;
-# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk, kept
-# for the backward (a recompute would run both models' lm_head again), and only longer rows
-# recompute their decoder layers.
+# chunks of 2048, recomputed in the backward, hold one chunk's. Rows up to 2048 are one chunk, and
+# only longer rows recompute their decoder layers. (Keeping a one-chunk row's logits for the
+# backward made the distillation jobs slower, not faster: docs/ideas.md.)
 KL_CHUNK = 2048
 
 
