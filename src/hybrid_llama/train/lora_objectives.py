@@ -217,7 +217,7 @@ class DistillObjective(TokenObjective):
             ids = self.rows["val"][idx].to(self.device)
             batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             if self.val_states is not None:
-                batch["teacher_states"] = self.val_states[idx].to(self.device)
+                batch["teacher_states"] = self.val_states[idx]  # already on the device
             return batch
         idx = list(range(self.split_rows("train")))[idx] if isinstance(idx, slice) else list(idx)
         n = len(self.rows["train"])
@@ -239,7 +239,7 @@ class DistillObjective(TokenObjective):
         if self.val_states is None:
             with autocast(self.device, self.amp):
                 self.val_states = torch.cat([
-                    self._teacher_states(self.batch("val", slice(s, s + self.batch_size))["input_ids"]).cpu()
+                    self._teacher_states(self.batch("val", slice(s, s + self.batch_size))["input_ids"])
                     for s in range(0, self.split_rows("val"), self.batch_size)])
         return super().validation_loss()
 
