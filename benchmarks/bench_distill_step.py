@@ -61,8 +61,7 @@ def timed_step(obj, model, batch: dict, seed: int) -> dict[str, float]:
     out = {}
     with autocast(obj.device, obj.amp):
         t = time.perf_counter()
-        with torch.no_grad():
-            batch["teacher_states"] = obj.teacher.model(input_ids=batch["input_ids"]).last_hidden_state
+        batch["teacher_states"] = obj._teacher_states(batch["input_ids"])
         out["teacher_s"] = time.perf_counter() - t
         t = time.perf_counter()
         total, count = obj.loss_sum(batch)
@@ -102,8 +101,8 @@ def main() -> None:
         "layers": run / path("hybrid_layers", model=args.model, variant=pipeline.transfer_owner(variant)),
         "corpus": run / pipeline.training_rows(args.model, variant),
     }
-    if pipeline.recall_wildcards(variant):
-        files["recall"] = run / path("recall_rows", model=args.model, **pipeline.recall_wildcards(variant))
+    if recall := pipeline.recall_wildcards(variant):
+        files["recall"] = run / path("recall_rows", model=args.model, **recall)
     missing = [str(f) for f in files.values() if not f.exists()]
     if missing:
         raise SystemExit(f"run the default DAG first; missing: {', '.join(missing)}")
@@ -115,8 +114,7 @@ def main() -> None:
                                       eval_sequences=settings.eval_sequences, teacher_states=None, batch_size=1,
                                       device=cpu, amp=bool(settings.autocast), recall_rows=files.get("recall"),
                                       answer_weight=settings.answer_weight, answer_target=settings.answer_target)
-    first_recall = len(obj.rows["train"])
-    rows = {"corpus": 0, "recall": first_recall}
+    rows = {"corpus": 0, "recall": len(obj.rows["train"])}  # the first row of each kind
     print(f"{variant}: hybrid layers {hybrid['layers']}, {args.threads} threads")
     for name in [r for r in args.rows.split(",") if r in rows and (r != "recall" or "recall" in files)]:
         batch = obj.batch("train", [rows[name]])
