@@ -255,7 +255,7 @@ def test_long_lengths_run_only_for_the_listed_slots():
     rec = p.recommended()
     assert rec == "lolcats_retrieval"
     assert p.quality_settings("passkey", rec)["context_lens"] == [1024, 2048, 4096, 8192]
-    assert p.quality_settings("passkey", "lolcats")["context_lens"] == [1024, 2048]
+    assert p.quality_settings("passkey", "lolcats")["context_lens"] == []  # config/paper.yaml runs it
     assert p.quality_settings("books", "base")["context_lens"][-1] == 8192
     assert p.quality_settings("books", "seed")["context_lens"][-1] == 2048
     # the needle test runs at 4096 only: the recommended variant's table, base's trials beside it
@@ -274,14 +274,13 @@ def test_long_lengths_run_only_for_the_listed_slots():
 def test_passkey_runs_for_base_and_the_listed_variants_only():
     p = _pipeline(config("config.yaml"))
     rec = p.recommended()
-    assert p.config["quality"]["passkey"]["variants"] == ["lolcats", "recommended"]
+    assert p.config["quality"]["passkey"]["variants"] == ["recommended"]
     tables = p.report_inputs()["quality"]
-    for variant in ("lolcats", rec):
-        files = p.stage_quality_files("smollm2", variant, "cpu", "passkey")
-        assert files == ["results/smollm2/base/quality/cpu/base/passkey.csv",
-                         f"results/smollm2/{variant}/quality/cpu/transfer_lora/passkey.csv"]
-        assert f"results/smollm2/{variant}/quality/cpu/passkey.csv" in tables
-    for variant in ("seed", "window_only"):  # no job, no table, and their exports do not wait for one
+    files = p.stage_quality_files("smollm2", rec, "cpu", "passkey")
+    assert files == ["results/smollm2/base/quality/cpu/base/passkey.csv",
+                     f"results/smollm2/{rec}/quality/cpu/transfer_lora/passkey.csv"]
+    assert f"results/smollm2/{rec}/quality/cpu/passkey.csv" in tables
+    for variant in ("seed", "window_only", "lolcats"):  # no job, no table, and their exports do not wait for one
         assert p.stage_quality_files("smollm2", variant, "cpu", "passkey") == []
         assert p.quality_settings("passkey", variant)["context_lens"] == []
         assert f"results/smollm2/{variant}/quality/cpu/passkey.csv" not in tables
@@ -294,8 +293,7 @@ def test_passkey_runs_for_base_and_the_listed_variants_only():
     p = _pipeline(cfg)
     assert all(p.stage_quality_files("smollm2", v, "cpu", "passkey") for v in ("seed", "window_only", "lolcats", rec))
     # a job's params do not carry the list: adding a variant to it reruns no job that ran before
-    assert p.quality_settings("passkey", "lolcats") == _pipeline(config("config.yaml")).quality_settings(
-        "passkey", "lolcats")
+    assert p.quality_settings("passkey", rec) == _pipeline(config("config.yaml")).quality_settings("passkey", rec)
     assert "variants" not in p.quality_settings("passkey", "base")
     assert len(p.export_inputs("smollm2", "seed")["results"]) == 2
 
