@@ -10,6 +10,7 @@ import torch
 from op_inputs import count_calls, trained_maps
 
 from hybrid_llama.ops import SparseCacheConfig, hybrid_attention, hybrid_attention_step, init_state
+from hybrid_llama.ops.feature_maps import resolve_qk_maps
 from hybrid_llama.ops.native import build as native
 from hybrid_llama.ops.native import step as cpu_step
 from hybrid_llama.ops.state import HybridState, prefill_state
@@ -171,6 +172,43 @@ def test_native_step_applies_llamas_rope_itself(rows_apart):
     torch.testing.assert_close(fused.k_window, general.k_window, atol=1e-6, rtol=1e-5)
     assert torch.equal(fused.v_window, rotated.v_window)
     torch.testing.assert_close(fused.S, general.S, atol=1e-5, rtol=1e-5)
+
+
+def test_native_sparse_step_applies_llamas_rope_itself(native_sparse_calls):
+    """With a sparse cache, through sinks filling and closed blocks: given q and k before RoPE and the
+    token's (cos, sin) per batch row, the kernel's outputs equal the torch sparse step's on q and k
+    rotated by transformers' apply_rotary_pos_emb (the block-closing steps, which the kernel declines,
+    rotated and stepped in torch as a layer does), and so does every buffer of the state."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    B, H, Hk, D, w, T, size, sinks = 2, 6, 2, 16, 4, 3, 5, 2
+    n = 4 * w + sinks + 2
+    q, k, v, wl, ll, feature, _ = problem(B, H, Hk, T + n, D, "hedgehog", seed=17)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=H * D, num_attention_heads=H, rope_theta=500.0))
+    kw = dict(feature_map=feature, formulation="lolcats", sparse=SparseCacheConfig(size, sinks))
+    positions = torch.tensor([[5], [60]])
+    with torch.no_grad():
+        cos, sin = rotary(v[:, :1, :T], positions + torch.arange(T))
+        qr, kr = apply_rotary_pos_emb(q[:, :, :T], k[:, :, :T], cos, sin)
+        fused, rotated = (hybrid_attention(qr, kr, v[:, :, :T], wl, ll, window=w, backend="chunked",
+                                           output_final_state=True, **kw)[1] for _ in range(2))
+        maps = resolve_qk_maps(feature)[0]
+        declined = 0
+        for t in range(T, T + n):
+            cos, sin = rotary(v[:, :1, t], positions + t)  # [B, 1, D]
+            qt, kt, vt = q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]
+            qr, kr = apply_rotary_pos_emb(qt, kt, cos, sin)
+            got = cpu_step.sparse_step_in_place(qt, kt, vt, fused, wl, ll, maps, kw["sparse"], rope=(cos, sin))
+            if got is None:  # a block closes: the layer rotates and takes the general step
+                declined += 1
+                got, fused = hybrid_attention_step(qr, kr, vt, fused, wl, ll, inplace=True, **kw)
+            want, rotated = hybrid_attention_step(qr, kr, vt, rotated, wl, ll, inplace=True, backend="torch", **kw)
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    # each closing step declined twice: asked directly, then by the general step before its torch path
+    assert declined >= 3 and native_sparse_calls == {"ran": n - declined, "declined": 2 * declined}
+    for name, want_t in _state_fields(rotated).items():
+        torch.testing.assert_close(_state_fields(fused)[name], want_t, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_native_step_declines_rope_tables_it_cannot_read(native_calls):
@@ -458,6 +496,44 @@ def test_generate_steps_take_the_native_call_without_the_general_step(tmp_path, 
     mask[1, :2] = 0
     model.generate(input_ids=padded, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert general["ran"] > 0  # the mask's steps
+
+
+def test_sparse_generate_steps_rotate_in_the_native_call(tmp_path, monkeypatch, native_sparse_calls):
+    """With a sparse cache and an exact KV head, an unmasked one-token step also goes straight to the
+    native call with q and k before RoPE; only the steps that close a block (one in w) take the general
+    step, and cached generation still equals recomputing every step, tokens and logits."""
+    from hybrid_llama.eval.throughput import greedy_decode
+    from hybrid_llama.layers import hybrid_attention as layer_module
+    from hybrid_llama.models import convert_to_hybrid, load_model
+    from hybrid_llama.weights import resolve_model
+
+    model, _ = load_model(resolve_model({"kind": "random", "preset": "tiny"}, str(tmp_path / "tiny")))
+    w, sinks, prompt, new = 4, 1, 9, 10
+    convert_to_hybrid(model, layers=[0, 1], window=w, formulation="lolcats", feature_map="hedgehog",
+                      sparse_cache=3, sinks=sinks, softmax_heads=[[1, 0]], decay=0.99)
+    model.eval()
+    general = count_calls(monkeypatch, layer_module, "hybrid_attention_step")
+    rotated_natively = count_calls(monkeypatch, cpu_step, "_rope_pointers")
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tokens = greedy_decode(model, ids, new)
+    closing = sum(1 for t in range(prompt, prompt + new) if t - w >= sinks and (t - w - sinks) % w == w - 1)
+    assert closing == 2 and general == {"ran": 2 * closing, "declined": 0}
+    native = 2 * (new - closing)
+    # a closing step is declined twice: by the layer's call, then by the general step's
+    assert native_sparse_calls == {"ran": native, "declined": 2 * 2 * closing}
+    assert rotated_natively == {"ran": native, "declined": 0}
+    with torch.no_grad():
+        assert torch.equal(tokens, greedy_decode(model, ids, new, use_cache=False))
+        # the steps' logits against one uncached forward of the whole sequence
+        sequence = torch.cat([ids, tokens], dim=1)
+        uncached = model(input_ids=sequence).logits[0, prompt - 1 : prompt + new - 1]
+        out = model(input_ids=ids, use_cache=True)
+        cache, logits = out.past_key_values, [out.logits[0, -1]]
+        for t in range(prompt, prompt + new - 1):
+            out = model(input_ids=sequence[:, t : t + 1], past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+    torch.testing.assert_close(torch.stack(logits), uncached, atol=1e-4, rtol=1e-4)
 
 
 def test_peft_wrapped_layers_decode_with_their_trained_copies(tmp_path):

@@ -353,7 +353,7 @@ class HybridLlamaAttention(LlamaAttention):
         if state is None:
             return None
         out = native_step_in_place(q, k, v, state, *self.op_logits(), self.hybrid.formulation, self.op_feature_map(),
-                                   position_embeddings, self.op_log_decay())
+                                   position_embeddings, self.op_log_decay(), self.hybrid.sparse)
         if out is not None:
             slot.set_state(state, 1)
         return out

@@ -302,38 +302,35 @@ def _sparse_on_triton(q, k, v, window_logit, linear_logit, cache: SparseCacheCon
 
 
 def takes_native_step(backend: str, sparse: SparseCacheConfig) -> bool:
-    """Whether a generation step (in place, every key real) may run as one native call
-    (``native_step_in_place``): the backends that take the CPU's native kernels, no sparse cache."""
-    return backend in ("auto", "chunked") and not sparse.active
+    """Whether a generation step (in place, the new key real) may run as one native call
+    (``native_step_in_place``): the backends that take the CPU's native kernels, without a sparse
+    cache or with one whose score keeps no attention sums (the kernel does not update them)."""
+    return backend in ("auto", "chunked") and (not sparse.active or sparse.score != "attention")
 
 
 def native_step_in_place(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
                          linear_logit: Tensor, formulation: str, feature_map: FeatureMap,
-                         rope: tuple[Tensor, Tensor] | None = None, log_decay: Tensor | None = None) -> Tensor | None:
+                         rope: tuple[Tensor, Tensor] | None = None, log_decay: Tensor | None = None,
+                         sparse: SparseCacheConfig | None = None) -> Tensor | None:
     """A real token's decode step as one native call on the CPU (``native.step``), updating ``state`` in
     place: out ``[B, H, 1, D]``, or None where it does not apply (then nothing has changed). The
-    caller gives ``state`` up (a generation cache) and asks for the ``auto``/``chunked`` backend
-    without a sparse cache; :func:`hybrid_attention_step` is that call's general form. ``rope``: the
-    token's Llama ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it).
+    caller gives ``state`` up (a generation cache) and asks for a backend ``takes_native_step``
+    allows; :func:`hybrid_attention_step` is that call's general form. ``rope``: the token's Llama
+    ``(cos, sin)`` when q and k arrive before RoPE (the kernel applies it).
     ``log_decay``: a decaying linear state's fp32 ``[H_kv]`` log gamma; the prepared call reads it in
-    place, so a caller passes the same tensor every step (the layer keeps one per parameter value)."""
-    if (q.is_cpu and state.sparse is None and not torch.is_grad_enabled()
-            and (state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()))):
+    place, so a caller passes the same tensor every step (the layer keeps one per parameter value).
+    ``sparse``: the cache's settings where the state has a sparse cache: its step runs natively on
+    the w - 1 of every w steps that close no block (the closing step evicts and folds in torch)."""
+    if not q.is_cpu or torch.is_grad_enabled():
+        return None
+    if state.sparse is not None:
+        if sparse is None or not sparse.active or sparse.score == "attention":
+            return None
+        return native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
+                                                resolve_qk_maps(feature_map)[0], sparse, log_decay, rope)
+    if state.all_real or bool(state.window_valid[:, : min(state.seen, state.window)].all()):
         return native_step.step_in_place(q, k, v, state, window_logit, linear_logit, formulation,
                                          *resolve_qk_maps(feature_map), rope, log_decay)
-    return None
-
-
-def _native_sparse_step(q: Tensor, k: Tensor, v: Tensor, state: HybridState, window_logit: Tensor,
-                        linear_logit: Tensor, feature_map: FeatureMap, cache: SparseCacheConfig, backend: str,
-                        given_up: bool, log_decay: Tensor | None = None) -> Tensor | None:
-    """The sparse cache's step in a generation cache (``given_up``: in place, the new key real), native
-    on the w - 1 of every w steps that close no block (the ``attention`` score keeps sums the kernel
-    does not update); None where it does not run (then the state is as it was)."""
-    if (given_up and state.sparse is not None and cache.score != "attention" and backend in ("auto", "chunked")
-            and q.is_cpu and not torch.is_grad_enabled()):
-        return native_step.sparse_step_in_place(q, k, v, state, window_logit, linear_logit,
-                                                resolve_qk_maps(feature_map)[0], cache, log_decay)
     return None
 
 
@@ -370,12 +367,7 @@ def hybrid_attention_step(
         # The common decode step of a generation cache on the CPU (checked first and kept lean: inside a
         # model every line here runs cold).
         out = native_step_in_place(q, k, v, state, window_logit, linear_logit, formulation, feature_map,
-                                   log_decay=log_decay)
-        if out is not None:
-            return out, state
-    if inplace and key_valid is None and state.sparse is not None:
-        out = _native_sparse_step(q, k, v, state, window_logit, linear_logit, feature_map, cache, backend, True,
-                                  log_decay)
+                                   log_decay=log_decay, sparse=cache)
         if out is not None:
             return out, state
     kwargs = dict(feature_map=feature_map, formulation=formulation, key_valid=key_valid, log_decay=log_decay)

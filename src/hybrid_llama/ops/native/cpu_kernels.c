@@ -10,7 +10,8 @@
  * readouts, are split over ``threads``.
  *
  * hybrid_sparse_step_f32: the same for the sparse cache's step (ops/sparse/step.py), on the steps
- * that close no block.
+ * that close no block. Both steps take the token's RoPE tables (cos, sin; NULL where q and k arrive
+ * rotated), so a model's step needs no torch op between its projections and the kernel.
  *
  * hybrid_prefill_f32: the parallel op over a range of positions, as the recurrence: per position,
  * fold the key leaving the window into S and z, then each query head's window softmax (the keys
@@ -435,8 +436,9 @@ int hybrid_step_f32(int B, int H, int Hk, int D, int w, int F, long long seen, i
  * is needed here: keys enter S and z when a block closes. log_decay [Hk] (NULL: none), log gamma of a
  * decaying linear state: S and z are kept as of the last position consumed, so the step first
  * multiplies them by gamma in place (as the torch step's S <- gamma S), then reads them; without it
- * they are only read. Returns -1, touching nothing, for a step that closes a block or arguments it
- * does not cover. */
+ * they are only read. cos, sin, rope_stride: as for hybrid_step_f32 (the kernel rotates q and the new
+ * key; the ring keeps the rotated key). Returns -1, touching nothing, for a step that closes a block
+ * or arguments it does not cover. */
 int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, int lam, long long seen, int map,
                            const float *q, const float *k, const float *v, float *k_win, float *v_win,
                            unsigned char *win_valid, float *S, float *z, const float *log_decay, float *sink_k,
@@ -444,9 +446,11 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
                            unsigned char *pend_valid, const float *cache_k, const float *cache_v,
                            const unsigned char *cache_valid,
                            const float *window_logit, const float *linear_logit, const float *wq, const float *bq,
-                           float *out) {
+                           float *out, const float *cos, const float *sin, long long rope_stride) {
     if (B < 1 || Hk < 1 || H % Hk || D < 1 || D > MAX_D || w < 1 || F < 1 || F > MAX_F || ns < 0 || lam < 0
         || 2 * w + ns + lam > MAX_W)
+        return -1;
+    if (cos != NULL && (sin == NULL || D % 2 || rope_stride < 0))
         return -1;
     if (map == MAP_ELU1 ? F != D : (map != MAP_HEDGEHOG || F % 2))
         return -1;
@@ -464,9 +468,11 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
         }
     }
     const float scale = 1.0f / sqrtf((float)D);
-    float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D];
+    float phi[MAX_F], scores[MAX_W], acc[MAX_D], num[MAX_D], rotated[MAX_D];
 
     for (int bi = 0; bi < B; bi++) {
+        const float *rope_cos = cos == NULL ? NULL : cos + (size_t)bi * (size_t)rope_stride;
+        const float *rope_sin = cos == NULL ? NULL : sin + (size_t)bi * (size_t)rope_stride;
         unsigned char *ring_ok = win_valid + (size_t)bi * w;
         if (to_sink >= 0) sink_valid[(size_t)bi * ns + to_sink] = ring_ok[slot];
         if (to_pend >= 0) pend_valid[(size_t)bi * w + to_pend] = ring_ok[slot];
@@ -484,7 +490,10 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
                 memcpy(Kp + (size_t)to_pend * D, K + (size_t)slot * D, sizeof(float) * D);
                 memcpy(Vp + (size_t)to_pend * D, V + (size_t)slot * D, sizeof(float) * D);
             }
-            memcpy(K + (size_t)slot * D, k + head * D, sizeof(float) * D);
+            if (rope_cos != NULL)
+                rotate(D, k + head * D, rope_cos, rope_sin, K + (size_t)slot * D);
+            else
+                memcpy(K + (size_t)slot * D, k + head * D, sizeof(float) * D);
             memcpy(V + (size_t)slot * D, v + head * D, sizeof(float) * D);
 
             /* The exact set in the torch step's order: ring, sinks, cache, pending. */
@@ -503,6 +512,10 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
             for (int j = 0; j < g; j++) {
                 const int h = kh * g + j;
                 const float *qh = q + ((size_t)bi * H + h) * D;
+                if (rope_cos != NULL) {
+                    rotate(D, qh, rope_cos, rope_sin, rotated);
+                    qh = rotated;
+                }
                 float *o = out + ((size_t)bi * H + h) * D;
                 float top = -INFINITY;
                 int i = 0;

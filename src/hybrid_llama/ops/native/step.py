@@ -11,9 +11,9 @@ head), the three formulations, any batch and GQA, with or without a decaying lin
 ``log_decay`` per KV head: the fold scales S and z by gamma first), while every key in the window is
 real. The sparse step: the ``sre`` and ``random`` scores, with or without a decaying linear state
 (the kernel ages ``S, z`` by gamma in place, then reads them), on every step but the one in ``w``
-that closes a block
-(eviction and fold run in torch). The caller checks the rest; the torch steps are the references
-they are tested against.
+that closes a block (eviction and fold run in torch). Both take q and k before RoPE with the token's
+``(cos, sin)`` (``rope``), so a model's step runs no torch op between its projections and the kernel.
+The caller checks the rest; the torch steps are the references they are tested against.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .build import FORMULATION_CODES, MAP_CODES, MAX_D, MAX_F, MAX_W
 STEP, SPARSE_STEP = Kernel("hybrid_step_f32"), Kernel("hybrid_sparse_step_f32")
 # What changes from one step to the next; the rest is bound when a state's call is prepared.
 STEP_ARGS = ("seen", "threads", "q", "k", "v", "out", "cos", "sin", "rope_stride")
-SPARSE_STEP_ARGS = ("seen", "q", "k", "v", "out", "log_decay")
+SPARSE_STEP_ARGS = ("seen", "q", "k", "v", "out", "log_decay", "cos", "sin", "rope_stride")
 
 
 @dataclass
@@ -254,14 +254,16 @@ def step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, 
 
 
 def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: Tensor, linear_logit: Tensor,
-                         phi_q_map, cache: SparseCacheConfig, log_decay: Tensor | None = None) -> Tensor | None:
+                         phi_q_map, cache: SparseCacheConfig, log_decay: Tensor | None = None,
+                         rope: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
     """The sparse cache's step natively (``hybrid_sparse_step_f32``), updating ``state`` in place; None
     on the step that closes a block (once every ``w`` steps: eviction and fold stay in torch) or where
     the kernel does not cover the arguments: the caller then runs the torch step
     (``ops.sparse.step``), the reference this is tested against. The caller guarantees: no autograd,
     the new key real, a score that keeps no attention sums (``sre``, ``random``). ``log_decay``
     ``[H_kv]``: log gamma of a decaying linear state (the state's S, z age by gamma first, as in
-    the torch step); where this returns None, the state holds the values it had."""
+    the torch step); where this returns None, the state holds the values it had. ``rope``: as for
+    ``step_in_place`` (where this returns None, q and k are still to be rotated)."""
     w, ns = state.window, cache.sinks
     leaving = state.seen - w
     if leaving >= ns and (leaving - ns) % w == w - 1:
@@ -276,10 +278,13 @@ def sparse_step_in_place(q: Tensor, k: Tensor, v: Tensor, state, window_logit: T
     if bound is None:
         return None
     call, q, k, v = bound
+    rotation = (None, None, 0) if rope is None else _rope_pointers(rope, q.shape[0], q.shape[-1])
+    if rotation is None:
+        return None
     out = torch.empty_like(q)
     if build.load().hybrid_sparse_step_f32(*fill(call.args, call.slots, state.seen, q.data_ptr(), k.data_ptr(),
                                                  v.data_ptr(), out.data_ptr(),
-                                                 None if decay is None else decay.data_ptr())) != 0:
+                                                 None if decay is None else decay.data_ptr(), *rotation)) != 0:
         return None
     state.seen += 1
     return out
