@@ -503,7 +503,13 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
                                               pend_valid + (size_t)bi * w};
             const int seg_n[4] = {w, ns, lam, w};
             float *Sh = S + head * F * D, *zh = z + head * F;
-            if (log_decay) {  /* the sums age one position, before any query head reads them */
+            /* Until a block closes with a key the cache does not keep, nothing is folded and S, z are
+             * zero: every feature is >= 0, so z = 0 means no fold added anything to S either. Then the
+             * linear part reads exactly zero, and the step neither ages nor reads it (a short context's
+             * every step; the plain step skips it the same way before its first fold). */
+            int folded = 0;
+            for (int f = 0; f < F && !folded; f++) folded = zh[f] != 0.0f;
+            if (log_decay && folded) {  /* the sums age one position, before any query head reads them */
                 const float gamma = expf(log_decay[kh]);
                 #pragma omp simd
                 for (int i = 0; i < F * D; i++) Sh[i] *= gamma;
@@ -543,7 +549,11 @@ int hybrid_sparse_step_f32(int B, int H, int Hk, int D, int w, int F, int ns, in
                         for (int d = 0; d < D; d++) acc[d] += e * vr[d];
                     }
                 }
-                const float den = linear_readout(map, D, F, h, qh, wq, bq, Sh, zh, phi, num);
+                float den = 0.0f;
+                if (folded)
+                    den = linear_readout(map, D, F, h, qh, wq, bq, Sh, zh, phi, num);
+                else
+                    memset(num, 0, sizeof(float) * D);
                 const float wa = 1.0f / (1.0f + expf(-window_logit[h]));
                 const float wb = 1.0f / (1.0f + expf(-linear_logit[h]));
                 const float inv = 1.0f / (wa * exact_sum + wb * den);
