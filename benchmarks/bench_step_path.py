@@ -25,7 +25,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import hybrid_llama  # noqa: F401  (registers the model type)
-from hybrid_llama.eval.placement import output_cache
+from hybrid_llama.eval.decoding import decode_step, prefill
 from hybrid_llama.layers.hybrid_attention import HybridConfig, HybridLlamaAttention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,13 +49,12 @@ def general_step_copy(model):
 
 def step_time(model, ids: torch.Tensor, steps: int) -> float:
     """Median seconds of a one-token step after prefilling ``ids``."""
-    out = model(input_ids=ids, use_cache=True)
-    cache, token, times = output_cache(out), out.logits[:, -1:].argmax(-1), []
+    token, cache = prefill(model, ids)
+    times = []
     for _ in range(steps):
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token, cache = decode_step(model, token, cache)
         times.append(time.perf_counter() - start)
-        token = out.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 
