@@ -5,6 +5,7 @@ and in headless Chromium at 1280 px the headline table sits above the fold."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import html as htmllib
 import json
@@ -477,6 +478,58 @@ def test_recommended_block_quotes_the_long_context_numbers(report):
     assert block[f"cache at {LONG} tokens"] == f"{LONG_CACHE['lc16/hybrid_chunked'] / LONG_CACHE['base']:.0%} of base's"
     # the headline's own speed columns stay at the longest length every variant was timed at
     assert f"vs base at {SEQ_LENS[-1]} tokens" in html
+
+
+def goal_cells(html: str) -> dict[str, str]:
+    """{label: goal text} of the recommended block's rows that carry a goal."""
+    table = re.search(r'<table class="recommended">(.*?)</table>', html, re.DOTALL).group(1)
+    return {htmllib.unescape(k): htmllib.unescape(v) for k, v in
+            re.findall(r'<th class="l">(.*?)</th><td[^>]*>.*?</td><td class="l goal[^"]*">(.+?)</td>', table)}
+
+
+def test_recommended_block_marks_each_goal_met_or_missed(fixture_root, tmp_path):
+    """Every goal of the config, read on the point estimate computed here from the fixture values;
+    with throughput.long.from_len 2048 the fixture's 64-1024 are the short prompts."""
+    root, inputs = fixture_root
+    cfg = copy.deepcopy(inputs["config"])
+    cfg["throughput"]["long"]["from_len"] = 2048
+    goals = cfg["goals"]
+    html = write_report(tmp_path / "results/report.html", **{**inputs, "config": cfg}).read_text()
+    got = goal_cells(html)
+
+    def expect(key: str, value: float, fmt: str, at_most: bool) -> str:
+        met = value <= goals[key] if at_most else value >= goals[key]
+        return f"{'≤' if at_most else '≥'} {fmt.format(goals[key])}: {'met' if met else 'missed'} ({fmt.format(value)})"
+
+    window, _ = paired(window_nlls("lc16", "transfer_lora", 16), BASE_NLL[16])
+    expected = {"NLL gap to base inside the window (fineweb-edu, 16 tokens)":
+                expect("window_nll_gap", window, "{:+.3f}", True)}
+    for L in BOOK_CONTEXTS:
+        gap, _ = paired(book_nlls("lc16", "transfer_lora", L), BOOK_BASE[L])
+        expected[f"NLL gap to base on the held-out books at {L}"] = expect("books_nll_gap", gap, "{:+.3f}", True)
+    found = sum(round(5 * a) for (L, _), a in PASSKEY["lc16", "transfer_lora"].items() if L == 1024)
+    expected["passkey at 1024"] = expect("passkey", found / 10, "{:.0%}", False)
+    for (hay, L), hits in NIAH["lc16", "transfer_lora"].items():
+        expected[f"multi-key needles ({hay} haystack) at {L}"] = expect("niah", hits / 4, "{:.0%}", False)
+    for phase in ("prefill", "decode"):
+        ratio = LONG_SPEED["lc16/hybrid_chunked", phase] / LONG_SPEED["base", phase]
+        expected[f"{phase} at {LONG} tokens"] = expect(f"{phase}_speedup", ratio, "{:.2f}×", False)
+    share = LONG_CACHE["lc16/hybrid_chunked"] / LONG_CACHE["base"]
+    expected[f"cache at {LONG} tokens"] = expect("cache_share", share, "{:.0%}", True)
+    # the slowest short-prompt ratio over both phases, each length's faster backend
+    short = [max(SPEED[f"lc16/hybrid_{b}", phase][i] for b in ("chunked", "seed_naive")) / SPEED["base", phase][i]
+             for phase in ("prefill", "decode") for i in range(len(SEQ_LENS))]
+    expected[f"speed at prompts of {SEQ_LENS[0]}–{SEQ_LENS[-1]} tokens"] = expect(
+        "short_prompt_speedup", min(short), "{:.2f}×", False)
+    assert got == expected
+    met = sum(text.split(": ")[1].startswith("met") for text in expected.values())
+    assert 0 < met < len(expected)  # the fixture meets some goals and misses others
+    assert f"{met} of {len(expected)} met" in html
+    # the same page without goals has no goal column and no count
+    cfg["goals"] = {}
+    plain = write_report(tmp_path / "plain/results/report.html", **{**inputs, "config": cfg}).read_text()
+    assert 'class="l goal' not in plain and " met</span>" not in plain
+    assert recommended_block(plain)[f"cache at {LONG} tokens"] == recommended_block(html)[f"cache at {LONG} tokens"]
 
 
 def test_books_and_needle_sections_render_the_fixture_tables(report):
