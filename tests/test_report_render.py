@@ -584,6 +584,15 @@ def test_deleted_result_file_reads_not_measured(fixture_root, tmp_path):
     assert cell(table, "w16", "nll_longest") != "not measured"  # the rest still reads
     for f in gone:
         assert f.relative_to(copy).as_posix() in html
+    # the recommended block: each speed goal stays, read as not measured and counted apart
+    goals, block = moved["config"]["goals"], recommended_block(html)
+    cells = goal_cells(html)
+    for what, key, sign in (("prefill", "prefill_speedup", "≥"), ("decode", "decode_speedup", "≥"),
+                            ("cache", "cache_share", "≤")):
+        assert goals[key] is not None and block[f"{what} vs base"] == "not measured"
+        assert cells[f"{what} vs base"].startswith(f"{sign} ") and ":" not in cells[f"{what} vs base"]
+    assert cells["speed at short prompts"].startswith("≥ ") and block["speed at short prompts"] == "not measured"
+    assert re.search(r"\d+ of \d+ met</span>,\s+4 not measured", html)
 
 
 def test_no_result_files_at_all_still_renders(tmp_path):

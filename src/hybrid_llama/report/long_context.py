@@ -108,18 +108,22 @@ def _item(label: str, text: str, title: str = "", href: str = "", goal: dict | N
     return {"label": label, "text": text or "not measured", "title": title, "href": href, **(goal or {})}
 
 
+def _unmeasured_speed(why: str, href: str, goals: dict) -> list[dict]:
+    """The speed rows when nothing was timed: each with its goal, read as not measured."""
+    return [_item(f"{what} vs base", "", why, href, check_goal(goals, key, None))
+            for what, key in (("prefill", "prefill_speedup"), ("decode", "decode_speedup"), ("cache", "cache_share"))]
+
+
 def _speed_items(rows: list[dict] | None, slot: str, href: str, goals: dict) -> list[dict]:
     """Prefill and decode speed-up and cache share at the longest length ``slot`` ran, and where it
     overtakes base."""
     if not rows:
-        return [_item("speed vs base", "", "no throughput result", href,
-                      check_goal(goals, "decode_speedup", None) or check_goal(goals, "prefill_speedup", None))]
+        return _unmeasured_speed("no throughput result", href, goals)
     base = {(int(r["seq_len"]), r["phase"]): r for r in rows if r["variant"] == "base" and r["status"] == "ok"}
     own = [r for r in rows if r["slot"] == slot and r["variant"] != "base" and r["status"] == "ok"
            and (int(r["seq_len"]), r["phase"]) in base]
     if not own:
-        return [_item("speed vs base", "", f"'{slot}' has no successful run beside base", href,
-                      check_goal(goals, "decode_speedup", None) or check_goal(goals, "prefill_speedup", None))]
+        return _unmeasured_speed(f"'{slot}' has no successful run beside base", href, goals)
     longest = max(int(r["seq_len"]) for r in own)
     items = []
     for phase in ("prefill", "decode"):
