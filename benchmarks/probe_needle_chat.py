@@ -21,7 +21,14 @@ import torch
 
 import hybrid_llama  # noqa: F401  (registers the model type)
 from hybrid_llama.books import heldout_books
-from hybrid_llama.eval.niah import generate_answer, niah_trials, question_text, score_answer
+from hybrid_llama.eval.niah import (
+    answer_tokens,
+    book_haystack,
+    generate_answer,
+    niah_trials,
+    question_text,
+    score_answer,
+)
 from hybrid_llama.eval.passkey import _encode
 from hybrid_llama.eval.placement import eval_mode
 from hybrid_llama.models.io import load_model
@@ -54,10 +61,9 @@ def main() -> None:
     books = heldout_books(args.books, args.heldout.split(","))
     for directory in args.models:
         model, tokenizer = load_model(directory, dtype=args.dtype)
-        book_ids = max((_encode(tokenizer, t) for t in books), key=len)  # as niah_accuracy picks it
         trials = niah_trials(tokenizer, context_len=args.context, trials=args.trials, n_keys=args.keys,
-                             haystack="book", seed=args.seed, book_ids=book_ids)
-        new_tokens = len(_encode(tokenizer, " 1234567.")) + 3
+                             haystack="book", seed=args.seed, book_ids=book_haystack(tokenizer, books))
+        new_tokens = answer_tokens(tokenizer)
         for fmt in args.formats.split(","):
             rows = []
             with eval_mode(model), torch.no_grad():

@@ -165,6 +165,16 @@ def generate_answer(model, tokenizer, prompt: list[int], new_tokens: int, device
     return tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
 
 
+def answer_tokens(tokenizer) -> int:
+    """Tokens an answer is generated for: a 7-digit value, its full stop and some slack."""
+    return len(_encode(tokenizer, " 1234567.")) + 3
+
+
+def book_haystack(tokenizer, book_texts: Sequence[str]) -> list[int]:
+    """The token ids a ``book`` haystack is cut from: the longest of the held-out books."""
+    return max((_encode(tokenizer, t) for t in book_texts), key=len)
+
+
 def niah_accuracy(
     model,
     tokenizer,
@@ -186,12 +196,12 @@ def niah_accuracy(
     by the answer (``passkey.fitted_length``; rows keep the nominal length); longer ones are skipped."""
     dev = place_model(model, device, dtype)
     limit = max_positions(model)
-    new_tokens = len(_encode(tokenizer, " 1234567.")) + 3  # a value, its full stop and some slack
+    new_tokens = answer_tokens(tokenizer)
     book_ids = None
     if "book" in haystacks:
         if not book_texts:
             raise ValueError("a 'book' haystack needs book_texts (the held-out books)")
-        book_ids = max((_encode(tokenizer, t) for t in book_texts), key=len)
+        book_ids = book_haystack(tokenizer, book_texts)
     rows = []
     with eval_mode(model):
         for hay in haystacks:

@@ -108,6 +108,15 @@ def _item(label: str, text: str, title: str = "", href: str = "", goal: dict | N
     return {"label": label, "text": text or "not measured", "title": title, "href": href, **(goal or {})}
 
 
+def _nll_gap_item(label: str, d: dict | None, href: str, goals: dict, goal: str) -> dict:
+    """A paired NLL difference to base (``nll_delta``) with its stderr, checked against ``goals[goal]``."""
+    if d is None:
+        return _item(label, "", "", href, check_goal(goals, goal, None))
+    return _item(label, f"{plus_minus(d['diff'], d['stderr'])} nats",
+                 f"{d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token, ± paired stderr over {d['n_windows']} windows",
+                 href, check_goal(goals, goal, d["diff"]))
+
+
 def _unmeasured_speed(why: str, href: str, goals: dict) -> list[dict]:
     """The speed rows when nothing was timed: each with its goal, read as not measured."""
     return [_item(f"{what} vs base", "", why, href, check_goal(goals, key, None))
@@ -184,18 +193,12 @@ def recommended_blocks(pipe: Pipeline, res: Results) -> list[dict]:
             if "window_nll_gap" in goals:
                 d = nll_delta(res.quality_rows("perplexity", model, device, stage, slot),
                               res.quality_rows("perplexity", model, device, "base", None), window)
-                items.append(_item(f"NLL gap to base inside the window (fineweb-edu, {window} tokens)",
-                                   "" if d is None else f"{plus_minus(d['diff'], d['stderr'])} nats",
-                                   "" if d is None else f"{d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token",
-                                   href["nll"], check_goal(goals, "window_nll_gap", None if d is None else d["diff"])))
+                items.append(_nll_gap_item(f"NLL gap to base inside the window (fineweb-edu, {window} tokens)", d,
+                                           href["nll"], goals, "window_nll_gap"))
             books, base = (res.quality_rows("books", model, device, s, v) for s, v in ((stage, slot), ("base", None)))
             for L in sorted({int(r["context_len"]) for r in books})[-NLL_POINTS:]:
-                d = nll_delta(books, base, L)
-                items.append(_item(f"NLL gap to base on the held-out books at {L}",
-                                   "" if d is None else f"{plus_minus(d['diff'], d['stderr'])} nats",
-                                   "" if d is None else f"{d['nll_a']:.3f} vs base {d['nll_b']:.3f} nats/token, ± "
-                                   f"paired stderr over {d['n_windows']} windows", href["books"],
-                                   check_goal(goals, "books_nll_gap", None if d is None else d["diff"])))
+                items.append(_nll_gap_item(f"NLL gap to base on the held-out books at {L}", nll_delta(books, base, L),
+                                           href["books"], goals, "books_nll_gap"))
             passkey = res.quality_rows("passkey", model, device, stage, slot)
             base_passkey = res.quality_rows("passkey", model, device, "base", None)
             start = pipe.config["quality"]["long_context"]["from_len"] or 0
