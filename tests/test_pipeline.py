@@ -209,6 +209,16 @@ def test_variant_overrides_merge_into_the_sections():
         ),
         (lambda c: c["base_lora"].update(objective="distill"), "base_lora.objective", "instruct"),
         (
+            lambda c: c["variants"][0].update(transfer={"seq_len": 64}),
+            "variants[v].transfer.seq_len",
+            "rows of 64 tokens hold no key older than variant 'v''s 64-token window",
+        ),
+        (
+            lambda c: (c["variants"][0]["hybrid"].update(window=128), c["transfer"].update(seq_len=100)),
+            "transfer.seq_len",
+            "use more than 128",
+        ),
+        (
             lambda c: c["variants"][0]["hybrid"].update(formulation="window", decay=0.99),
             "variants[v].hybrid.decay",
             "no linear state to decay",

@@ -152,6 +152,14 @@ def _check_training(p: Pipeline, v: str) -> None:
                 _key(p, v, "transfer", "trainable"),
                 f"'{t['trainable']}' trains nothing a window-only layer ('formulation: window') uses",
             )
+        # Rows no longer than the window hold no key old enough for the linear part: its feature maps
+        # and mixing factors get no gradient, which would surface only as an autograd error mid-job.
+        if hybrid["formulation"] != "window" and t["seq_len"] <= hybrid["window"]:
+            raise ConfigError(
+                _key(p, v, "transfer", "seq_len"),
+                f"rows of {t['seq_len']} tokens hold no key older than variant '{v}''s {hybrid['window']}-token "
+                f"window, so its linear part would not train; use more than {hybrid['window']}",
+            )
         for model in p.models:
             positions = model_architecture(p, model).get("max_position_embeddings")
             if positions is not None and t["seq_len"] > positions:
