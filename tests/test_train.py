@@ -18,7 +18,7 @@ import hybrid_llama.train.transfer as tr
 from hybrid_llama.data import load_instruct, load_packed, prepare_instruct_data, prepare_transfer_corpus
 from hybrid_llama.models import load_model
 from hybrid_llama.stages import load_stage
-from hybrid_llama.train.errors import NonFiniteError, StopTraining
+from hybrid_llama.train.errors import NoGradientError, NonFiniteError, StopTraining
 from hybrid_llama.train.optim import lr_factor
 
 HYBRID = {"layers": [1, 3], "window": 16}
@@ -216,6 +216,15 @@ def test_transfer_nan_names_step_and_layer(tiny_model_dir, corpus, tmp_path, mon
     monkeypatch.setattr(hm, "make_hybrid_attention", poisoned)
     with pytest.raises(NonFiniteError, match=pattern):
         tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", HYBRID, _transfer_cfg(eval_sequences=2), tmp_path)
+
+
+def test_transfer_that_nothing_reaches_names_the_cause(corpus, tiny_model_dir, tmp_path):
+    """Rows no longer than the window give the feature maps and the mixing factors no gradient; the
+    loop says so at the first step instead of failing inside autograd."""
+    hybrid = {"layers": [1], "window": 64, "formulation": "lolcats", "feature_map": "hedgehog"}  # rows of 64
+    with pytest.raises(NoGradientError, match=r"transfer loss at step 1 does not depend on any trained parameter"):
+        tr.run_transfer(tiny_model_dir, corpus / "train.safetensors", hybrid,
+                        _transfer_cfg(eval_sequences=2, trainable="logits+feature_map"), tmp_path)
 
 
 def test_lr_schedule_shape():

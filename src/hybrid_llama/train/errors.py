@@ -1,10 +1,11 @@
-"""How a training run stops early: a non-finite loss or gradient, or a caller's request."""
+"""How a training run stops early: a non-finite loss or gradient, a loss no trained parameter
+reaches, or a caller's request."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NonFiniteError", "StopTraining", "check_finite"]
+__all__ = ["NoGradientError", "NonFiniteError", "StopTraining", "check_finite"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -13,6 +14,18 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, step: int, where: str, what: str = "loss"):
         super().__init__(f"non-finite {what} at step {step} in {where}")
         self.step, self.where = step, where
+
+
+class NoGradientError(RuntimeError):
+    """The loss does not depend on any trained parameter, so no step could change the model."""
+
+    def __init__(self, step: int, objective: str):
+        super().__init__(
+            f"the {objective} loss at step {step} does not depend on any trained parameter, so nothing would "
+            "train: check what the stage trains (transfer.trainable, the LoRA target) and, for the linear "
+            "part, that its rows are longer than the window"
+        )
+        self.step = step
 
 
 class StopTraining(Exception):

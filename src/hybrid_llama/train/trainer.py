@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybrid_llama.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hybrid_llama.train.errors import NoGradientError
 from hybrid_llama.train.optim import clip_and_check, lr_factor, make_optimizer
 from hybrid_llama.train.reporting import LossCSV, Progress
 from hybrid_llama.train.settings import LoopSettings, OptimizerSettings
@@ -166,6 +167,8 @@ def fit(
             means: dict[str, float] = {}
             for m in micro:
                 out = objective.loss(order[m * bs : (m + 1) * bs], step + 1)
+                if not out.loss.requires_grad:  # else autograd's own error, which names no cause
+                    raise NoGradientError(step + 1, objective.name)
                 (out.loss / len(micro)).backward()
                 tokens += out.tokens
                 for key, v in {"loss": float(out.loss.detach()), **out.logs}.items():
