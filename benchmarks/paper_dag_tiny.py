@@ -16,6 +16,7 @@ end to end; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ POSITIONS = 4096  # the tiny preset's
 
 def tiny_paper_config(paper: dict) -> dict:
     """paper.yaml's config with the model, data sources, budgets and lengths shrunk for a CPU."""
-    c = yaml.safe_load(yaml.safe_dump(paper))  # a deep copy
+    c = copy.deepcopy(paper)
     c["models"] = [{"name": "tiny16", "kind": "random", "preset": "tiny", "seed": 0, "num_hidden_layers": 16}]
     for key in ("transfer", "instruct", "mmlu", "books"):
         c["data"][key]["source"] = "local"

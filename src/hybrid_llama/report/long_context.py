@@ -206,12 +206,12 @@ def recommended_blocks(pipe: Pipeline, res: Results) -> list[dict]:
             for L in [n for n in lens if n >= start] or lens[-1:]:
                 far = passkey_at(passkey, L, beyond=BEYOND_WINDOW)  # None for files without needle distances
                 beyond = BEYOND_WINDOW if far else None
+                mine = far or passkey_at(passkey, L)
                 items.append(_item(f"passkey {'beyond the window ' if far else ''}at {L}",
-                                   _beside_base(far or passkey_at(passkey, L),
-                                                passkey_at(base_passkey, L, beyond=beyond)),
+                                   _beside_base(mine, passkey_at(base_passkey, L, beyond=beyond)),
                                    (f"needles more than {BEYOND_WINDOW} tokens before the question" if far else
                                     "all needles") + "; 95 % Wilson interval", href["passkey"],
-                                   check_goal(goals, "passkey", (far or passkey_at(passkey, L) or {}).get("accuracy"))))
+                                   check_goal(goals, "passkey", (mine or {}).get("accuracy"))))
             niah = res.quality_rows("niah", model, device, stage, slot)
             base_niah = res.quality_rows("niah", model, device, "base", None)
             for hay, L in sorted({(r["haystack"], int(r["context_len"])) for r in niah}):
