@@ -4,6 +4,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 export PYTHONUNBUFFERED=1
+# Much of the suite reads the offline data mirror; without it, stop here with the reason instead of
+# a scatter of failures deep in the run.
+data=$("$py" -c 'import sys; from hybrid_llama.pipeline import shared_data_dir; print(shared_data_dir(repo=sys.argv[1]))' "$PWD")
+if [ ! -d "$data" ]; then
+    echo "tests/run.sh: the offline data mirror $data does not exist; put shared/data beside the" \
+         "checkout (../shared/data) or point HYBRID_LLAMA_SHARED_DATA at it" >&2
+    exit 2
+fi
 # The report test renders in headless Chromium; install it where we may (CI runs as root).
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1 ||
